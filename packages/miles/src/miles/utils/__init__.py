@@ -1,0 +1,1 @@
+"""Core utilities shared by the miles command, the rollout side and the train loop."""

@@ -1,0 +1,42 @@
+"""The `miles` console script as a user runs it."""
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from miles.cli.main import installed_wheel_versions, main
+
+
+def _run_console_script(*args):
+    # The console script lives beside the interpreter of this environment.
+    script = f"{sys.prefix}/bin/miles"
+    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_console_script_prints_version():
+    result = _run_console_script("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"miles {version('miles')}"
+
+
+def test_bare_command_prints_help_listing_subcommands(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: miles" in out and "info" in out
+
+
+def test_info_reports_device_and_installed_wheels(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu x1 (distributed backend: gloo)" in out
+    assert f"wheel: miles {version('miles')}" in out
+    assert "miles-training-utils" in installed_wheel_versions()
+
+
+def test_unknown_subcommand_exits_with_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trian"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'trian'" in capsys.readouterr().err

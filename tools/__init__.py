@@ -1,0 +1,1 @@
+"""Repository tooling: version bumps, changed-package selection and layout checks."""

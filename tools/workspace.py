@@ -1,0 +1,93 @@
+"""The workspace's packages as data: names, versions, in-house dependencies and owned modules.
+
+Every repo tool reads the layout from here, so a moved or added package needs no tool edits.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE_LEVELS = (("miles",), ("miles", "backends"))
+_REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def requirement_name(requirement: str) -> str:
+    """`miles-sglang[cuda]==0.1.0` -> `miles-sglang`."""
+    match = _REQUIREMENT_NAME.match(requirement)
+    if match is None:
+        raise ValueError(f"cannot read a package name from requirement {requirement!r}")
+    return match.group(1).lower().replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Package:
+    """One wheel of the workspace, read from `packages/<dir>/pyproject.toml`."""
+
+    root: Path
+
+    @cached_property
+    def pyproject(self) -> dict:
+        return tomllib.loads((self.root / "pyproject.toml").read_text())
+
+    @property
+    def name(self) -> str:
+        return self.pyproject["project"]["name"]
+
+    @property
+    def version(self) -> str:
+        return self.pyproject["project"]["version"]
+
+    @property
+    def requirements(self) -> list[str]:
+        """Runtime requirements, including those of every extra."""
+        project = self.pyproject["project"]
+        extras = project.get("optional-dependencies", {})
+        return list(project.get("dependencies", [])) + [r for reqs in extras.values() for r in reqs]
+
+    @property
+    def src(self) -> Path:
+        return self.root / "src"
+
+    @property
+    def modules(self) -> list[str]:
+        """Dotted names of the top packages this wheel owns below the namespace levels."""
+        owned = []
+        for level in NAMESPACE_LEVELS:
+            level_dir = self.src.joinpath(*level)
+            if not level_dir.is_dir():
+                continue
+            for child in sorted(level_dir.iterdir()):
+                if (child / "__init__.py").is_file():
+                    owned.append(".".join((*level, child.name)))
+        return owned
+
+
+def packages(root: Path = REPO_ROOT) -> dict[str, Package]:
+    """Workspace packages by distribution name."""
+    found = [Package(p.parent) for p in sorted((root / "packages").glob("*/pyproject.toml"))]
+    return {p.name: p for p in found}
+
+
+def in_house_dependencies(package: Package, names: set[str]) -> set[str]:
+    """Sibling wheels `package` declares, in its base dependencies or any extra."""
+    return {requirement_name(r) for r in package.requirements} & names - {package.name}
+
+
+def module_owner(module: str, owners: dict[str, str]) -> str | None:
+    """The package owning dotted `module`, by longest matching owned prefix."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        owner = owners.get(".".join(parts[:end]))
+        if owner is not None:
+            return owner
+    return None
+
+
+def module_owners(root: Path = REPO_ROOT) -> dict[str, str]:
+    """Owned module prefix -> distribution name, for every package."""
+    return {module: pkg.name for pkg in packages(root).values() for module in pkg.modules}
