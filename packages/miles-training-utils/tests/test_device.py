@@ -97,3 +97,11 @@ def test_synchronize_and_empty_cache_are_safe_on_cpu():
     device.empty_cache()
     device.reset_peak_memory()
     assert device.set_device(0) == torch.device("cpu")
+
+
+def test_current_device_follows_the_detected_kind(monkeypatch):
+    assert device.current_device() == torch.device("cpu")
+    device.get_device_info.cache_clear()
+    _pretend(monkeypatch, cuda=True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert device.current_device() == torch.device("cuda", 1)

@@ -119,6 +119,16 @@ def set_device(local_rank: int = 0) -> torch.device:
     return device
 
 
+def current_device() -> torch.device:
+    """The device this process made current with `set_device` (cpu on CPU)."""
+    info = get_device_info()
+    if info.kind in ("cuda", "rocm"):
+        return torch.device("cuda", torch.cuda.current_device())
+    if info.kind == "npu":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
 def synchronize() -> None:
     """Wait for queued device work; a no-op on CPU, where every op is synchronous."""
     kind = get_device_info().kind
