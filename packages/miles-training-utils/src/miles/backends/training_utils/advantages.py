@@ -1,0 +1,163 @@
+"""From rewards to per-token advantages and returns, one entry per estimator in two tables.
+
+`shape_rewards` runs on the rollout side, over a whole global batch (groups are consecutive
+`n_samples_per_prompt` samples); `compute_advantages_and_returns` runs on each train rank over its
+shard. Estimators that whiten over the batch (the REINFORCE++ family) reduce their statistics
+across the ranks of `group`, so every rank whitens with the global mean and variance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.backends.training_utils.loss_config import LossConfig
+from miles.backends.training_utils.ppo_utils import (
+    compute_approx_kl,
+    get_gae_advantages_and_returns,
+    get_reinforce_plus_plus_returns,
+    group_normalize_rewards,
+    rloo_advantages,
+)
+
+RolloutColumns = dict[str, list]
+
+_SHAPERS: dict[str, Callable[[Tensor, int, bool], Tensor]] = {
+    "grpo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=std),
+    "gspo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=std),
+    "dr_grpo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=False),
+    "reinforce_plus_plus_baseline": lambda r, n, std: group_normalize_rewards(
+        r, n, std_normalization=False
+    ),
+    "rloo": lambda r, n, std: rloo_advantages(r, n),
+    "reinforce_plus_plus": lambda r, n, std: r.clone(),
+    "ppo": lambda r, n, std: r.clone(),
+}
+
+
+def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -> Tensor:
+    """Per-sample rewards as the estimator consumes them: group-normalized (grpo, gspo), group
+    mean-centred (dr_grpo, reinforce_plus_plus_baseline), leave-one-out (rloo) or raw."""
+    return _SHAPERS[config.advantage_estimator](
+        raw_rewards.double(), group_size, config.grpo_std_normalization
+    ).to(raw_rewards.dtype)
+
+
+def _masks(batch: RolloutColumns) -> list[Tensor]:
+    return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_masks"]]
+
+
+def _token_rewards(batch: RolloutColumns, config: LossConfig, masks: list[Tensor]) -> list[Tensor]:
+    """Per-token rewards: -kl_coef * KL(k1) on every token, the sample's reward on its last
+    trainable token (the last token the policy produced)."""
+    token_rewards = []
+    for i, mask in enumerate(masks):
+        rewards = torch.zeros_like(mask)  # (R,)
+        if config.kl_coef:
+            kl = compute_approx_kl(
+                torch.as_tensor(batch["log_probs"][i]),
+                torch.as_tensor(batch["ref_log_probs"][i]),
+                "k1",
+            )
+            rewards -= config.kl_coef * kl.float()
+        trainable = mask.nonzero()
+        if len(trainable):
+            rewards[trainable[-1, 0]] += float(batch["rewards"][i])
+        token_rewards.append(rewards)
+    return token_rewards
+
+
+def global_whiten(
+    values: list[Tensor], masks: list[Tensor], group=None, eps: float = 1e-8
+) -> list[Tensor]:
+    """Whiten trainable tokens with the mean and (population) variance of every rank's tokens.
+
+    Masked tokens come back as 0. With one trainable token overall there is no spread: values
+    are centred only.
+    """
+    flat_values, flat_masks = torch.cat(values).double(), torch.cat(masks).double()  # (N,)
+    stats = torch.stack(
+        [(flat_values * flat_masks).sum(), (flat_values**2 * flat_masks).sum(), flat_masks.sum()]
+    )
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        dist.all_reduce(stats, group=group)
+    total, total_sq, count = stats.tolist()
+    if count == 0:
+        return [torch.zeros_like(v) for v in values]
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    scale = 1.0 / (var + eps) ** 0.5 if count > 1 else 1.0
+    return [
+        ((v.double() - mean) * scale * m).to(v.dtype) for v, m in zip(values, masks, strict=True)
+    ]
+
+
+Advantages = tuple[list[Tensor], list[Tensor]]
+
+
+def _broadcast_reward(
+    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+) -> Advantages:
+    """grpo, dr_grpo, gspo, rloo: the shaped sample reward on every response token."""
+    advantages = [
+        torch.full_like(m, float(r)) for m, r in zip(masks, batch["rewards"], strict=True)
+    ]
+    return advantages, advantages
+
+
+def _reinforce_plus_plus(
+    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+) -> Advantages:
+    """REINFORCE++ (Hu 2025): discounted token returns, whitened over the global batch."""
+    returns = get_reinforce_plus_plus_returns(
+        _token_rewards(batch, config, masks), masks, config.gamma
+    )
+    return global_whiten(returns, masks, group), returns
+
+
+def _reinforce_plus_plus_baseline(
+    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+) -> Advantages:
+    """REINFORCE++-baseline: group-centred reward on every token minus the per-token KL
+    penalty, whitened over the global batch."""
+    shaped = [torch.full_like(m, float(r)) for m, r in zip(masks, batch["rewards"], strict=True)]
+    if config.kl_coef:
+        penalties = _token_rewards({**batch, "rewards": [0.0] * len(masks)}, config, masks)
+        shaped = [s + p for s, p in zip(shaped, penalties, strict=True)]
+    advantages = global_whiten(shaped, masks, group)
+    return advantages, advantages
+
+
+def _ppo(batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group) -> Advantages:
+    """PPO: GAE over trainable tokens with the critic's values."""
+    values = [torch.as_tensor(v, dtype=torch.float32) for v in batch["values"]]
+    rewards = _token_rewards(batch, config, masks)
+    return get_gae_advantages_and_returns(rewards, values, masks, config.gamma, config.lambd)
+
+
+_ADVANTAGE_RULES: dict[str, Callable[..., Advantages]] = {
+    "grpo": _broadcast_reward,
+    "dr_grpo": _broadcast_reward,
+    "gspo": _broadcast_reward,
+    "rloo": _broadcast_reward,
+    "reinforce_plus_plus": _reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": _reinforce_plus_plus_baseline,
+    "ppo": _ppo,
+}
+assert set(_ADVANTAGE_RULES) == set(_SHAPERS), "estimator tables drifted"
+
+
+def compute_advantages_and_returns(
+    batch: RolloutColumns, config: LossConfig, *, group=None
+) -> None:
+    """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
+
+    `batch["rewards"]` holds the output of `shape_rewards`. Uses `loss_masks`; `log_probs` and
+    `ref_log_probs` when --kl-coef is set; `values` for ppo. `group` is the data-parallel process
+    group over which batch-level statistics are reduced (None: the default group, if any).
+    """
+    rule = _ADVANTAGE_RULES[config.advantage_estimator]
+    batch["advantages"], batch["returns"] = rule(batch, config, _masks(batch), group)

@@ -1,0 +1,124 @@
+"""Chunked log-probs and entropy equal a float64 log_softmax reference, values and gradients."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+
+
+def _reference(logits: np.ndarray, tokens: np.ndarray, temperature: float):
+    """Plain float64 NumPy: log-softmax row by row, the target's entry, and the entropy."""
+    log_probs, entropy = [], []
+    for row, token in zip(logits.astype(np.float64) / temperature, tokens, strict=True):
+        shifted = row - row.max()
+        log_z = np.log(np.exp(shifted).sum())
+        log_p = shifted - log_z
+        log_probs.append(log_p[token])
+        entropy.append(-(np.exp(log_p) * log_p).sum())
+    return np.array(log_probs), np.array(entropy)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_tokens=st.integers(1, 40),
+    vocab=st.integers(2, 50),
+    chunk_size=st.integers(1, 16),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.5]),
+    scale=st.sampled_from([1.0, 30.0, 300.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_float64_reference_for_any_chunking(
+    num_tokens, vocab, chunk_size, temperature, scale, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, vocab, generator=gen, dtype=torch.float64) * scale
+    tokens = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    log_probs, entropy = get_log_probs_and_entropy(
+        logits, tokens, temperature=temperature, chunk_size=chunk_size
+    )
+    ref_lp, ref_ent = _reference(logits.numpy(), tokens.numpy(), temperature)
+    assert torch.isfinite(log_probs).all() and torch.isfinite(entropy).all()
+    np.testing.assert_allclose(
+        log_probs.numpy(), ref_lp, rtol=1e-5, atol=1e-4 * max(1.0, scale / 30)
+    )
+    np.testing.assert_allclose(entropy.numpy(), ref_ent, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_tokens=st.integers(1, 12),
+    vocab=st.integers(2, 9),
+    chunk_size=st.integers(1, 5),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    weights=st.tuples(st.floats(-2, 2), st.floats(-2, 2)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gradient_equals_autograd_through_plain_log_softmax(
+    num_tokens, vocab, chunk_size, temperature, weights, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(num_tokens, vocab, generator=gen, dtype=torch.float64) * 3
+    tokens = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    upstream_lp = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
+    upstream_ent = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
+
+    ours = base.clone().requires_grad_(True)
+    lp, ent = get_log_probs_and_entropy(
+        ours, tokens, temperature=temperature, chunk_size=chunk_size
+    )
+    (
+        weights[0] * (lp.double() * upstream_lp).sum()
+        + weights[1] * (ent.double() * upstream_ent).sum()
+    ).backward()
+
+    plain = base.clone().requires_grad_(True)
+    log_p = torch.log_softmax(plain / temperature, dim=-1)
+    ref_lp = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    (
+        weights[0] * (ref_lp * upstream_lp).sum() + weights[1] * (ref_ent * upstream_ent).sum()
+    ).backward()
+
+    torch.testing.assert_close(ours.grad, plain.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_logits_get_float32_outputs_and_bf16_gradients():
+    logits = torch.randn(7, 11, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, 11, (7,))
+    log_probs, entropy = get_log_probs_and_entropy(logits, tokens, chunk_size=3)
+    assert log_probs.dtype == entropy.dtype == torch.float32
+    log_probs.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_only_log_probs_used_in_the_loss_still_backpropagates():
+    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    tokens = torch.tensor([0, 1, 2, 3, 4])
+    log_probs, _ = get_log_probs_and_entropy(logits, tokens, chunk_size=2)
+    log_probs.sum().backward()
+    expected = torch.nn.functional.one_hot(tokens, 6).double() - torch.softmax(logits.detach(), -1)
+    torch.testing.assert_close(logits.grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("logits_shape", "tokens_shape", "kwargs", "message"),
+    [
+        (
+            (2, 3, 4),
+            (2, 3),
+            {},
+            r"expected logits \(T, V\) and tokens \(T,\), got logits \(2, 3, 4\)",
+        ),
+        ((4, 5), (3,), {}, r"got logits \(4, 5\) and tokens \(3,\)"),
+        ((4, 5), (4,), {"temperature": 0.0}, r"temperature must be > 0 .* got 0.0"),
+        ((4, 5), (4,), {"chunk_size": 0}, r"chunk_size must be >= 1, got 0"),
+    ],
+)
+def test_bad_input_is_rejected_with_the_values(logits_shape, tokens_shape, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        get_log_probs_and_entropy(
+            torch.zeros(logits_shape), torch.zeros(tokens_shape, dtype=torch.long), **kwargs
+        )
