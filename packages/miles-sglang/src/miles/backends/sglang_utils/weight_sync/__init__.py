@@ -1,0 +1,67 @@
+"""The weight-sync wire protocol shared by every trainer backend and engine (DESIGN §3.4).
+
+Trainers hand over `(name, tensor)` pairs of full parameters; a sender buckets them (bounded by
+`--update-weight-buffer-size`), casts them to the engine dtype and ships them through shared
+memory / CUDA IPC (colocated) or a broadcast group (disaggregated). Engines receive with the
+matching `deserialize_*` / `receive_tensors` and copy into their model with `load_named_tensors`::
+
+    sender = TensorWeightSender(clients, max_bytes=512 << 20, dtype=torch.bfloat16)
+    sender.send(model.state_dict().items(), weight_version="3")
+"""
+
+from miles.backends.sglang_utils.weight_sync.buckets import (
+    FlattenedBucket,
+    TensorMeta,
+    dtype_from_name,
+    dtype_name,
+    flatten_bucket,
+    iter_buckets,
+    iter_buckets_with_last,
+    unflatten_bucket,
+)
+from miles.backends.sglang_utils.weight_sync.distributed_transport import (
+    WeightUpdateGroup,
+    broadcast_tensors,
+    create_weight_update_group,
+    receive_tensors,
+)
+from miles.backends.sglang_utils.weight_sync.loader import WeightUpdateError, load_named_tensors
+from miles.backends.sglang_utils.weight_sync.senders import (
+    DistributedWeightSender,
+    TensorWeightSender,
+    WeightSyncClient,
+    WeightSyncError,
+)
+from miles.backends.sglang_utils.weight_sync.tensor_transport import (
+    deserialize_flattened_bucket,
+    deserialize_named_tensors,
+    serialize_flattened_bucket,
+    serialize_named_tensors,
+    share_tensor,
+)
+
+__all__ = [
+    "DistributedWeightSender",
+    "FlattenedBucket",
+    "TensorMeta",
+    "TensorWeightSender",
+    "WeightSyncClient",
+    "WeightSyncError",
+    "WeightUpdateError",
+    "WeightUpdateGroup",
+    "broadcast_tensors",
+    "create_weight_update_group",
+    "deserialize_flattened_bucket",
+    "deserialize_named_tensors",
+    "dtype_from_name",
+    "dtype_name",
+    "flatten_bucket",
+    "iter_buckets",
+    "iter_buckets_with_last",
+    "load_named_tensors",
+    "receive_tensors",
+    "serialize_flattened_bucket",
+    "serialize_named_tensors",
+    "share_tensor",
+    "unflatten_bucket",
+]

@@ -1,0 +1,148 @@
+"""Disaggregated weight hand-over: a broadcast group between trainer rank 0 and the engines.
+
+The group is built from its own TCPStore and a backend constructed directly, never through
+`dist.init_process_group`: trainer and engine may each already own a default group. Store keys are
+laid out as torch's `_new_process_group_helper` lays them out (`<group>/<device>/`), the helper
+SGLang's `init_custom_process_group` uses, so a real SGLang engine meets us in the same namespace.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.backends.sglang_utils.weight_sync.buckets import NamedTensors, dtype_from_name
+
+logger = logging.getLogger(__name__)
+
+# The device segment of the store prefix torch gives each backend (its first capable device).
+_STORE_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+class WeightUpdateGroup:
+    """A process group of trainer rank 0 (rank 0) and the engines (ranks 1..world_size-1)."""
+
+    def __init__(
+        self, *, store: dist.Store, backend: object, rank: int, world_size: int, name: str
+    ):
+        self._store = store  # the backend reads keys from it for its whole life; keep it alive
+        self._backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+
+    def broadcast(self, tensor: Tensor, src: int = 0) -> None:
+        """Broadcast `tensor` from rank `src` to every rank, in place; blocks until done."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: Tensor, src: int = 0) -> dist.Work:
+        """Start a broadcast and return its work handle (call `.wait()` before using `tensor`)."""
+        if self._backend is None:
+            raise RuntimeError(f"weight update group {self.name!r} was destroyed; create a new one")
+        if not tensor.is_contiguous():
+            raise ValueError(f"broadcast needs a contiguous tensor, got strides {tensor.stride()}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        return self._backend.broadcast([tensor], opts)
+
+    def destroy(self) -> None:
+        """Shut the backend down and release the store (idempotent)."""
+        backend, self._backend = self._backend, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            backend.shutdown()
+        self._store = None
+
+
+def create_weight_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 300,
+) -> WeightUpdateGroup:
+    """Join the group as `rank`; blocks until all `world_size` ranks have joined (or timeout).
+
+    Rank 0 (the trainer) hosts the TCPStore at `master_address:master_port`; the others connect.
+    `backend` is "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
+    if backend not in _STORE_DEVICE:
+        raise ValueError(
+            f"weight update backend {backend!r} is not supported; use 'gloo' or 'nccl'"
+        )
+    if not group_name:
+        raise ValueError("group_name must be a non-empty string")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    logger.info(
+        "joining weight update group %r as rank %d of %d (%s, store %s:%d, timeout %.0f s)",
+        group_name, rank, world_size, backend, master_address, master_port, timeout_s,
+    )  # fmt: skip
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    prefixed = dist.PrefixStore(
+        f"{_STORE_DEVICE[backend]}/", dist.PrefixStore(f"{group_name}/", store)
+    )
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        pg = _nccl_backend(prefixed, rank, world_size, timeout, group_name)
+    return WeightUpdateGroup(
+        store=store, backend=pg, rank=rank, world_size=world_size, name=group_name
+    )
+
+
+def _nccl_backend(store, rank: int, world_size: int, timeout, group_name: str):
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise RuntimeError(
+            "weight update backend 'nccl' needs CUDA and a torch built with NCCL; "
+            "use backend 'gloo' on CPU"
+        )
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    options.group_name = group_name
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def broadcast_tensors(
+    group: WeightUpdateGroup, named_tensors: Iterable[tuple[str, Tensor]]
+) -> None:
+    """Sending side (rank 0): one broadcast per tensor, in order, as the engines receive them."""
+    works = [group.broadcast_async(tensor.contiguous(), src=0) for _, tensor in named_tensors]
+    for work in works:
+        work.wait()
+
+
+def receive_tensors(
+    group: WeightUpdateGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str | torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> NamedTensors:
+    """Receiving side (an engine): allocate each tensor and receive it, in the order of `names`."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
+            "must have equal lengths"
+        )
+    tensors = [
+        torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
+        for dtype, shape in zip(dtypes, shapes, strict=True)
+    ]
+    # Issue all receives before waiting on any, as SGLang does: many small tensors overlap.
+    works = [group.broadcast_async(tensor, src=0) for tensor in tensors]
+    for work in works:
+        work.wait()
+    return list(zip(names, tensors, strict=True))

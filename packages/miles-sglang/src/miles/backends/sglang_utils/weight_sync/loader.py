@@ -1,0 +1,75 @@
+"""Engine side: copy received tensors into a model's parameters and buffers by Hugging Face name.
+
+Validation comes first and covers every tensor, so a bad update changes nothing: an engine never
+serves a half-loaded mix of old and new weights because one name in the last bucket was wrong.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+# Problems listed in one error before the rest are only counted: enough to see a pattern.
+_MAX_LISTED = 5
+
+
+class WeightUpdateError(ValueError):
+    """A weight update named an unknown tensor or sent a wrong shape; the model is unchanged."""
+
+
+def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+    """Copy each `(name, tensor)` into the model's parameter or buffer of that name; return the count.
+
+    Tensors are cast to the target's dtype and device. Tied weights (e.g. `lm_head.weight` tied to
+    `model.embed_tokens.weight`) are accepted under either name. Raises `WeightUpdateError`, before
+    anything is copied, if any name is unknown or any shape differs from the model's.
+    """
+    named_tensors = list(named_tensors)
+    targets = _targets(model)
+    problems = [p for name, tensor in named_tensors if (p := _check(name, tensor, targets))]
+    if problems:
+        listed = "; ".join(problems[:_MAX_LISTED])
+        more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise WeightUpdateError(
+            f"{len(problems)} of {len(named_tensors)} tensors cannot be loaded, so none was: "
+            f"{listed}{more}"
+        )
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            targets[name].copy_(tensor)
+    return len(named_tensors)
+
+
+def _targets(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Every loadable name; tied parameters appear under each of their names."""
+    targets: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    config = getattr(model, "config", None)
+    tied = getattr(model, "_tied_weights_keys", None)
+    # Tied modules usually share one Parameter, listed under both names above; this also covers a
+    # model that ties by config but does not register the tied module (transformers >= 5 maps
+    # tied name -> source name here).
+    if getattr(config, "tie_word_embeddings", False) and isinstance(tied, dict):
+        for name, source in tied.items():
+            if name not in targets and source in targets:
+                targets[name] = targets[source]
+            elif source not in targets and name in targets:
+                targets[source] = targets[name]
+    return targets
+
+
+def _check(name: str, tensor: object, targets: dict[str, Tensor]) -> str | None:
+    """What is wrong with loading `tensor` as `name`, or None if it loads."""
+    target = targets.get(name)
+    if target is None:
+        close = difflib.get_close_matches(name, targets, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown name {name!r}{hint}"
+    if not isinstance(tensor, Tensor):
+        return f"{name!r} is a {type(tensor).__name__}, not a tensor"
+    if tuple(tensor.shape) != tuple(target.shape):
+        return f"{name!r} has shape {tuple(tensor.shape)} but the model's is {tuple(target.shape)}"
+    return None

@@ -1,0 +1,92 @@
+"""Engine-side loading: by Hugging Face name, all-or-nothing, tied weights under either name."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+
+from miles.backends.sglang_utils.weight_sync import WeightUpdateError, load_named_tensors
+
+
+def _tiny_qwen3(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.fixture
+def engine() -> torch.nn.Module:
+    return _tiny_qwen3(seed=0)
+
+
+@pytest.fixture(scope="module")
+def trainer() -> torch.nn.Module:
+    return _tiny_qwen3(seed=1)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_loading_a_full_state_dict_makes_the_models_equal(engine, trainer):
+    count = load_named_tensors(engine, ((k, v) for k, v in trainer.state_dict().items()))
+    assert count == len(trainer.state_dict())
+    for name, value in trainer.state_dict().items():
+        assert torch.equal(engine.state_dict()[name], value), name
+
+
+def test_tensors_are_cast_to_the_parameters_dtype(engine, trainer):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    source = trainer.state_dict()[name].double()
+    load_named_tensors(engine, [(name, source)])
+    target = engine.get_parameter(name)
+    assert target.dtype == torch.float32 and torch.equal(target, source.float())
+    assert not target.requires_grad or target.grad is None
+
+
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_tied_embedding_loads_under_either_name(engine, name):
+    new = torch.full((128, 32), 0.5)
+    assert load_named_tensors(engine, [(name, new)]) == 1
+    assert torch.equal(engine.lm_head.weight, new)
+    assert torch.equal(engine.model.embed_tokens.weight, new)
+
+
+def test_unknown_name_changes_nothing_and_suggests_the_closest_name(engine, trainer):
+    before = _snapshot(engine)
+    good = list(trainer.state_dict().items())[:3]
+    bad = ("model.layers.0.self_attn.q_proj.weigth", torch.zeros(32, 32))
+    with pytest.raises(
+        WeightUpdateError, match=re.escape("did you mean 'model.layers.0.self_attn.q_proj.weight'")
+    ):
+        load_named_tensors(engine, [*good, bad])
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed although the update was refused"
+
+
+def test_shape_mismatch_changes_nothing_and_shows_both_shapes(engine, trainer):
+    before = _snapshot(engine)
+    good = list(trainer.state_dict().items())[:3]
+    with pytest.raises(WeightUpdateError, match=r"\(32, 16\) but the model's is \(32,\)") as info:
+        load_named_tensors(engine, [*good, ("model.norm.weight", torch.ones(32, 16))])
+    assert isinstance(info.value, ValueError)
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_every_problem_is_reported_at_once(engine):
+    with pytest.raises(WeightUpdateError, match=r"^7 of 7 tensors") as info:
+        load_named_tensors(engine, [(f"nope.{i}", torch.zeros(1)) for i in range(7)])
+    assert "and 2 more" in str(info.value)
