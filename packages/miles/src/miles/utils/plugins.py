@@ -16,7 +16,7 @@ ROLLOUT_ENGINES = "miles.rollout_engines"
 # What a user installs to get each known plugin, and the flag that chooses it.
 KNOWN_PLUGINS: dict[str, dict[str, str]] = {
     TRAIN_BACKENDS: {"fsdp": "miles-fsdp", "megatron": "miles-megatron"},
-    ROLLOUT_ENGINES: {"sglang": "miles-sglang[sglang]", "reference": "miles-sglang"},
+    ROLLOUT_ENGINES: {"sglang": "miles-sglang", "reference": "miles-sglang"},
 }
 _FLAG = {TRAIN_BACKENDS: "--train-backend", ROLLOUT_ENGINES: "--rollout-engine"}
 

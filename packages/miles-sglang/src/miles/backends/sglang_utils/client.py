@@ -1,0 +1,550 @@
+"""Clients of SGLang's native HTTP API (DESIGN §3.2) on one engine or router URL.
+
+Only idempotent GETs are retried (bounded, exponential backoff, on connection errors and 5xx);
+every POST - generation, pause, weight updates - is sent exactly once, because repeating one is
+not harmless. `SyncEngineClient` offers the same calls to trainers and Ray actors without asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import httpx
+
+if TYPE_CHECKING:  # only named in annotations: the client stays importable without loading torch
+    import torch
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+# Connection-level failures: the request did not reach a live server, or the connection broke.
+# A read timeout is not among them: the server is alive but slow, and retrying would only
+# multiply the wait.
+_RETRYABLE_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+_MAX_MESSAGE_CHARS = 2000
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """An HTTP call to an engine (or router) failed: its URL, endpoint, status and message."""
+
+    def __init__(
+        self,
+        url: str,
+        endpoint: str,
+        status: int | None,
+        message: str,
+        hint: str = "",
+        body: str | None = None,
+    ):
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.server_message = message
+        self.body = body
+        """The raw answer, when there was one."""
+        what = f"HTTP {status}" if status is not None else "no HTTP answer"
+        text = f"{endpoint} at {url} failed ({what}): {message}"
+        super().__init__(f"{text}; {hint}" if hint else text)
+
+    @classmethod
+    def from_response(cls, url: str, endpoint: str, response: httpx.Response) -> EngineError:
+        status = response.status_code
+        hint = (
+            "the engine rejected the request; check its fields against SGLang's API"
+            if status < 500
+            else "the engine failed while serving it; see the engine's log"
+        )
+        return cls(url, endpoint, status, server_message(response), hint, body=response.text)
+
+
+def server_message(response: httpx.Response) -> str:
+    """The server's own words: SGLang answers `{"error": {"message"}}`, `{"message"}` or text."""
+    text = response.text.strip()
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    message: Any = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            message = error.get("message")
+        elif error is not None:
+            message = error
+        # FastAPI's own errors (404, HTTPException) carry `detail`.
+        message = message or body.get("message") or body.get("detail")
+    if message is None:
+        message = text or response.reason_phrase or "(empty body)"
+    message = message if isinstance(message, str) else json.dumps(message)
+    return message[:_MAX_MESSAGE_CHARS]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTimeouts:
+    """Seconds per kind of call; one engine serves calls that take milliseconds and hours."""
+
+    connect_s: float = 10.0
+    """Establishing a TCP connection."""
+    control_s: float = 60.0
+    """Health, info, cache, pause and abort calls (SGLang's /health_generate may take 20 s)."""
+    generate_s: float = 3600.0
+    """Reading a /generate answer: a long rollout streams nothing until it ends."""
+    weights_s: float = 1800.0
+    """Weight updates and memory release/resume: loading a large model takes minutes."""
+
+
+def _drop_none(fields: dict[str, Any]) -> dict[str, Any]:
+    # Omitted fields take SGLang's defaults; older servers also reject fields they do not know.
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    # SGLang looks dtypes up with getattr(torch, name): it wants "bfloat16", not "torch.bfloat16".
+    return str(dtype).removeprefix("torch.")
+
+
+class EngineClient:
+    """Async client of one SGLang server (or a router in front of several), pooled and bounded.
+
+    `max_concurrency` bounds the generation calls in flight; control calls (health, pause, abort,
+    weight updates) bypass it, so a pause always reaches an engine saturated with generations.
+    Use it from one event loop (httpx binds its pool to the loop); threads use SyncEngineClient.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 256,
+        timeouts: EngineTimeouts | None = None,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency ({max_concurrency}) must be at least 1")
+        if max_retries < 0:
+            raise ValueError(f"max_retries ({max_retries}) must be 0 or more")
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts or EngineTimeouts()
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._generation_slots = asyncio.Semaphore(max_concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=headers,
+            # Room for every generation slot plus the control calls that bypass the slots.
+            limits=httpx.Limits(max_connections=max_concurrency + 16),
+            timeout=self._timeout(self.timeouts.control_s),
+            # Engines are cluster-internal: a proxy from the environment would only get in the way.
+            trust_env=False,
+        )
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    def _timeout(self, read_s: float) -> httpx.Timeout:
+        return httpx.Timeout(read_s, connect=self.timeouts.connect_s)
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        payload: Any = None,
+        read_timeout_s: float | None = None,
+        retry: bool = False,
+    ) -> httpx.Response:
+        """One call; `retry` only for idempotent calls. Raises EngineError on 4xx/5xx."""
+        timeout = self._timeout(read_timeout_s or self.timeouts.control_s)
+        attempts = 1 + (self.max_retries if retry else 0)
+        for attempt in range(1, attempts + 1):
+            try:
+                response = await self._http.request(method, endpoint, json=payload, timeout=timeout)
+            except httpx.TransportError as exc:
+                failure = self._transport_error(endpoint, exc)
+                if not isinstance(exc, _RETRYABLE_ERRORS):
+                    raise failure from exc
+            else:
+                if response.is_success:
+                    return response
+                failure = EngineError.from_response(self.url, endpoint, response)
+                if response.status_code < 500:
+                    raise failure
+            if attempt == attempts:
+                raise failure
+            delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+            logger.warning("%s; retry %d/%d in %.1f s", failure, attempt, attempts - 1, delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _transport_error(self, endpoint: str, exc: httpx.HTTPError) -> EngineError:
+        kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "connection failed"
+        return EngineError(
+            self.url,
+            endpoint,
+            None,
+            f"{kind}: {type(exc).__name__}: {exc}",
+            f"check that an engine is running at {self.url}",
+        )
+
+    async def _get_json(self, endpoint: str) -> Any:
+        return (await self._request("GET", endpoint, retry=True)).json()
+
+    async def _post(self, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
+        """A control POST: JSON answer, or None for SGLang's empty and plain-text answers."""
+        response = await self._request("POST", endpoint, payload=payload or {})
+        try:
+            return response.json()
+        except ValueError:
+            return None
+
+    async def _post_update(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A weight or memory call: SGLang's `{"success", "message"}`, whatever the outcome.
+
+        SGLang answers a failed update with HTTP 400 and `success: false`; that is returned, not
+        raised, so callers read one shape. Other HTTP errors raise EngineError.
+        """
+        try:
+            response = await self._request(
+                "POST", endpoint, payload=payload, read_timeout_s=self.timeouts.weights_s
+            )
+        except EngineError as exc:
+            body = _json_or_none(exc.body or "")
+            refused = exc.status is not None and exc.status < 500
+            if refused and isinstance(body, dict) and "success" in body:
+                return body
+            raise
+        body = _json_or_none(response.text)
+        if isinstance(body, dict) and "success" in body:
+            return body
+        # /release_memory_occupation and /resume_memory_occupation answer `null` on success.
+        return {"success": True, "message": ""}
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST /generate with a raw SGLang body; a batched `input_ids`/`text` answers a list."""
+        async with self._generation_slots:
+            response = await self._request(
+                "POST", "/generate", payload=payload, read_timeout_s=self.timeouts.generate_s
+            )
+        return response.json()
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST /generate with `stream: true`; yields each SSE `data:` chunk until `[DONE]`.
+
+        Close the iterator (`contextlib.aclosing`) when stopping early: it holds a generation slot.
+        """
+        body = {**payload, "stream": True}
+        timeout = self._timeout(self.timeouts.generate_s)
+        async with self._generation_slots:
+            try:
+                async with self._http.stream(
+                    "POST", "/generate", json=body, timeout=timeout
+                ) as response:
+                    if not response.is_success:
+                        await response.aread()
+                        raise EngineError.from_response(self.url, "/generate", response)
+                    async for chunk in _sse_data(response):
+                        if isinstance(chunk, dict) and "error" in chunk:
+                            # SGLang reports a failure mid-stream as `data: {"error": {"message"}}`.
+                            error = chunk["error"]
+                            message = error.get("message") if isinstance(error, dict) else error
+                            raise EngineError(self.url, "/generate", 200, str(message))
+                        yield chunk
+            except httpx.TransportError as exc:
+                raise self._transport_error("/generate", exc) from exc
+
+    # -- health and info --------------------------------------------------------------------
+
+    async def _probe(self, endpoint: str) -> tuple[bool, str]:
+        """One GET without retries: a probe reports the state now; callers poll."""
+        try:
+            response = await self._http.get(endpoint)
+        except httpx.TransportError as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        if response.is_success:
+            return True, f"HTTP {response.status_code}"
+        return False, f"HTTP {response.status_code}: {server_message(response)}"
+
+    async def health(self) -> bool:
+        """GET /health: the HTTP server answers (the model may still be loading)."""
+        return (await self._probe("/health"))[0]
+
+    async def health_generate(self) -> bool:
+        """GET /health_generate: the engine can generate a token."""
+        return (await self._probe("/health_generate"))[0]
+
+    async def wait_until_healthy(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> None:
+        """Poll /health_generate until it answers 200; raise EngineError after `timeout_s`."""
+        start = time.monotonic()
+        next_log = start
+        while True:
+            ok, answer = await self._probe("/health_generate")
+            elapsed = time.monotonic() - start
+            if ok:
+                logger.info("engine %s is healthy after %.1f s", self.url, elapsed)
+                return
+            if elapsed >= timeout_s:
+                raise EngineError(
+                    self.url,
+                    "/health_generate",
+                    None,
+                    f"not healthy after {elapsed:.0f} s (last answer: {answer})",
+                    "raise the timeout for slow model loads, or read the engine's log",
+                )
+            if time.monotonic() >= next_log:
+                logger.info(
+                    "waiting for engine %s /health_generate: %.0f s of %.0f s (last answer: %s)",
+                    self.url,
+                    elapsed,
+                    timeout_s,
+                    answer,
+                )
+                next_log += 10.0
+            await asyncio.sleep(poll_s)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """GET /get_server_info: server arguments and scheduler state."""
+        return await self._get_json("/get_server_info")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """GET /get_model_info: model_path, tokenizer_path, is_generation, weight_version."""
+        return await self._get_json("/get_model_info")
+
+    # -- scheduling control -----------------------------------------------------------------
+
+    async def flush_cache(self) -> None:
+        """POST /flush_cache (SGLang answers 400 while requests are running)."""
+        await self._post("/flush_cache")
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> Any:
+        """POST /pause_generation: abort (return running requests), retract or in_place."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        return await self._post("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        """POST /continue_generation: resume after pause_generation."""
+        return await self._post("/continue_generation")
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """POST /abort_request: abort one request by `rid`, or every request."""
+        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    # -- weights and memory -----------------------------------------------------------------
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_tensor: one serialized bucket per tensor-parallel rank."""
+        payload = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        return await self._post_update("/update_weights_from_tensor", _drop_none(payload))
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """POST /init_weights_update_group: join the trainer's broadcast group."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._post_update("/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str | torch.dtype],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_distributed: receive these tensors from the broadcast."""
+        payload = {
+            "names": names,
+            "dtypes": [_dtype_name(dtype) for dtype in dtypes],
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        return await self._post_update("/update_weights_from_distributed", _drop_none(payload))
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        """POST /destroy_weights_update_group."""
+        return await self._post_update("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_disk: reload weights from a checkpoint directory."""
+        payload = {
+            "model_path": model_path,
+            "load_format": load_format,
+            "weight_version": weight_version,
+        }
+        return await self._post_update("/update_weights_from_disk", _drop_none(payload))
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """POST /release_memory_occupation: free `tags` (weights, kv_cache; None: all)."""
+        return await self._post_update("/release_memory_occupation", _drop_none({"tags": tags}))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """POST /resume_memory_occupation: take back what release_memory_occupation freed."""
+        return await self._post_update("/resume_memory_occupation", _drop_none({"tags": tags}))
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return None
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON of each `data:` line of a server-sent-event stream, until `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments and other SSE fields
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _sync(name: str) -> Callable[..., Any]:
+    """A blocking method that runs EngineClient.`name` on the private loop of a SyncEngineClient."""
+    async_method = getattr(EngineClient, name)
+
+    @functools.wraps(async_method)
+    def method(self: SyncEngineClient, *args: Any, **kwargs: Any) -> Any:
+        return self._run(getattr(self._client, name)(*args, **kwargs))
+
+    return method
+
+
+class SyncEngineClient:
+    """The EngineClient calls, blocking, for trainers and Ray actors; safe to share across threads.
+
+    It owns an event loop in a daemon thread: every call is scheduled there, so connections are
+    pooled across threads. Takes EngineClient's arguments; `close()` when done.
+    """
+
+    def __init__(self, url: str, **client_kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"engine-client {url}", daemon=True
+        )
+        self._thread.start()
+        self._client = EngineClient(url, **client_kwargs)
+        self.url = self._client.url
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"SyncEngineClient({self.url!r})"
+
+    def __enter__(self) -> SyncEngineClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError(f"{self!r} is closed; create a new client")
+        assert threading.current_thread() is not self._thread, "would wait on its own loop"
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread; later calls raise."""
+        if self._closed:
+            return
+        self._run(self._client.aclose())
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """EngineClient.generate_stream, one blocking step per chunk."""
+        chunks = self._client.generate_stream(payload)
+        try:
+            while True:
+                try:
+                    yield self._run(chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                self._run(chunks.aclose())
+
+    generate = _sync("generate")
+    health = _sync("health")
+    health_generate = _sync("health_generate")
+    wait_until_healthy = _sync("wait_until_healthy")
+    get_server_info = _sync("get_server_info")
+    get_model_info = _sync("get_model_info")
+    flush_cache = _sync("flush_cache")
+    pause_generation = _sync("pause_generation")
+    continue_generation = _sync("continue_generation")
+    abort_request = _sync("abort_request")
+    update_weights_from_tensor = _sync("update_weights_from_tensor")
+    init_weights_update_group = _sync("init_weights_update_group")
+    update_weights_from_distributed = _sync("update_weights_from_distributed")
+    destroy_weights_update_group = _sync("destroy_weights_update_group")
+    update_weights_from_disk = _sync("update_weights_from_disk")
+    release_memory_occupation = _sync("release_memory_occupation")
+    resume_memory_occupation = _sync("resume_memory_occupation")

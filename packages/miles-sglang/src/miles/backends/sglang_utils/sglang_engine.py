@@ -1,0 +1,425 @@
+"""Launch a real SGLang server (`python -m sglang.launch_server`) and own its whole process tree.
+
+Every SGLang server flag passes through from miles's command line as `--sglang-<flag>`. SGLang is
+the optional, GPU-only extra: nothing here imports it, and `require_sglang` says what to install.
+`ServerProcess` is the generic part (own session, log file, readiness wait, tree kill).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from miles.backends.sglang_utils.client import SyncEngineClient, server_message
+from miles.backends.training_utils.device import get_device_info
+
+logger = logging.getLogger(__name__)
+
+SGLANG_FLAG_PREFIX = "--sglang-"
+SGLangFlagValue = str | bool | list[str]
+"""A flag's value: True for a bare switch (False omits it), a list for multi-value flags."""
+_GPU_KINDS = ("cuda", "rocm")
+# SGLang flags that SGLangEngineConfig sets itself, with the field that owns each.
+_OWNED_FLAGS = {
+    "model-path": "model_path",
+    "host": "host",
+    "port": "port",
+    "tp-size": "tp_size",
+    "tp": "tp_size",
+    "tensor-parallel-size": "tp_size",
+    "mem-fraction-static": "mem_fraction_static",
+    "dtype": "dtype",
+    "random-seed": "random_seed",
+}
+
+
+class SGLangUnavailableError(ImportError):
+    """SGLang is not installed, or this machine has no GPU it runs on."""
+
+
+class ServerStartError(RuntimeError):
+    """A server process exited or stayed unhealthy while starting; carries its last log lines."""
+
+
+def require_sglang() -> None:
+    """Raise SGLangUnavailableError unless SGLang is installed and a CUDA or ROCm GPU is present."""
+    installed = importlib.util.find_spec("sglang") is not None
+    kind = get_device_info().kind
+    if installed and kind in _GPU_KINDS:
+        return
+    raise SGLangUnavailableError(
+        "the SGLang engine needs SGLang installed as its docs say (`uv pip install 'sglang[all]'`, "
+        "which brings its own torch build) on a CUDA or ROCm GPU machine; use --rollout-engine "
+        "reference on CPU "
+        f"(found: sglang {'installed' if installed else 'not installed'}, device {kind})"
+    )
+
+
+def sglang_args_from_cli(
+    argv: list[str], *, miles_flags: Collection[str] = ()
+) -> tuple[dict[str, SGLangFlagValue], list[str]]:
+    """Split `--sglang-<flag> [values]` out of argv: ({flag: value}, the remaining argv).
+
+    A flag takes the tokens up to the next `--...` token: none is a switch (True), one a string,
+    several a list; `--sglang-flag=value` takes exactly one. `miles_flags` names `--sglang-*`
+    flags that belong to miles itself (e.g. `--sglang-router-port`): they stay in the remaining
+    argv. Everything after a bare `--` is left alone.
+    """
+    flags: dict[str, SGLangFlagValue] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            rest.extend(argv[i:])
+            break
+        i += 1
+        if not token.startswith(SGLANG_FLAG_PREFIX) or token.split("=")[0] in miles_flags:
+            rest.append(token)
+            continue
+        name, has_inline, inline = token[len(SGLANG_FLAG_PREFIX) :].partition("=")
+        name = name.replace("_", "-")  # SGLang's argparse spells every flag with dashes
+        if not name or name.startswith("-"):
+            raise ValueError(f"{token!r} names no SGLang flag; write {SGLANG_FLAG_PREFIX}<flag>")
+        if name in flags:
+            raise ValueError(f"{SGLANG_FLAG_PREFIX}{name} is given twice; keep one")
+        if has_inline:
+            flags[name] = inline
+            continue
+        values: list[str] = []
+        while i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        flags[name] = True if not values else values[0] if len(values) == 1 else values
+    return flags, rest
+
+
+@dataclass(kw_only=True)
+class SGLangEngineConfig:
+    """One SGLang server: the flags miles sets itself, plus every `--sglang-*` flag verbatim."""
+
+    model_path: str
+    """Hugging Face checkpoint directory or hub id the server loads."""
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds; use the node's address to serve a router on another node."""
+    port: int = 30000
+    """HTTP port of the server."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs per engine."""
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights and KV cache; None lets SGLang choose."""
+    dtype: str = "auto"
+    """Weight and activation dtype (auto, bfloat16, float16, float32)."""
+    random_seed: int | None = None
+    """Sampling seed of the server; None lets SGLang choose."""
+    extra_args: dict[str, SGLangFlagValue] = field(default_factory=dict)
+    """Other SGLang flags, no dashes: {"context-length": "4096"} from --sglang-context-length."""
+    startup_timeout_s: float = 600.0
+    """How long `start` waits for /health_generate (loading a large model takes minutes)."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is empty; pass the checkpoint directory or hub id")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port ({self.port}) must be in 1..65535")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size ({self.tp_size}) must be at least 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"mem_fraction_static ({self.mem_fraction_static}) must be in (0, 1]; "
+                "lower it if the server runs out of memory"
+            )
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}) must be positive")
+        for name, value in self.extra_args.items():
+            if name.startswith("-"):
+                raise ValueError(f"extra_args key {name!r} must be a flag name without dashes")
+            if name in _OWNED_FLAGS:
+                owner = _OWNED_FLAGS[name]
+                flag = f"{SGLANG_FLAG_PREFIX}{name}"
+                raise ValueError(
+                    f"{flag} ({value}) sets what SGLangEngineConfig.{owner} sets "
+                    f"({getattr(self, owner)}); drop {flag} and set {owner}"
+                )
+
+    @property
+    def api_key(self) -> str | None:
+        """The server's --api-key, which every client of it must send."""
+        value = self.extra_args.get("api-key")
+        return value if isinstance(value, str) else None
+
+
+def build_launch_command(config: SGLangEngineConfig, python: str = sys.executable) -> list[str]:
+    """The argv that starts this SGLang server."""
+    command = [python, "-m", "sglang.launch_server", "--model-path", config.model_path]
+    command += ["--host", config.host, "--port", str(config.port)]
+    command += ["--tp-size", str(config.tp_size), "--dtype", config.dtype]
+    if config.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.random_seed is not None:
+        command += ["--random-seed", str(config.random_seed)]
+    for name, value in config.extra_args.items():
+        if value is False:
+            continue  # a switch left off
+        command.append(f"--{name}")
+        if isinstance(value, list):
+            command += value
+        elif value is not True:
+            command.append(value)
+    return command
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (another process may still take it before it is bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def http_probe(url: str, timeout_s: float = 30.0) -> tuple[bool, str]:
+    """One GET: (answered 2xx, what it answered). Never raises for network errors."""
+    try:
+        response = httpx.get(url, timeout=timeout_s, trust_env=False)
+    except httpx.HTTPError as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    if response.is_success:
+        return True, f"HTTP {response.status_code}"
+    return False, f"HTTP {response.status_code}: {server_message(response)}"
+
+
+def _process_group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in the group."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited while we looked
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        state, _ppid, pgrp = stat.rpartition(")")[2].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            return True
+    return False
+
+
+class ServerProcess:
+    """A server subprocess in its own session, so `shutdown` reaches every process it spawned.
+
+    Output goes to a log file whose tail explains a failed start. An atexit hook shuts down what
+    the owner forgot; nothing can catch its own SIGKILL, so owners should call `shutdown`.
+    """
+
+    def __init__(self, command: list[str], *, name: str, log_path: str | Path | None = None):
+        self.name = name
+        self.command = command
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"{name.replace(' ', '-')}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "ab")  # closed by shutdown
+        try:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: killpg reaches the whole tree
+            )
+        except OSError:
+            self._log.close()
+            raise
+        atexit.register(self.shutdown)
+        logger.info("started %s (pid %d), log %s", name, self.pid, self.log_path)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        """The exit code of the top process, or None while it runs."""
+        return self._process.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines the server wrote."""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_until_ready(self, probe_url: str, *, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll `probe_url` until it answers 2xx; fail fast if the process exits.
+
+        On failure the process tree is shut down and ServerStartError carries the log's tail.
+        """
+        start = time.monotonic()
+        next_log = start + 5.0
+        while True:
+            ok, answer = http_probe(probe_url)
+            elapsed = time.monotonic() - start
+            if ok:
+                logger.info("%s answers %s after %.1f s", self.name, probe_url, elapsed)
+                return
+            exit_code = self.poll()
+            if exit_code is not None or elapsed >= timeout_s:
+                self.shutdown()
+                what = (
+                    f"exited with code {exit_code} before answering {probe_url}"
+                    if exit_code is not None
+                    else f"did not answer {probe_url} within {timeout_s:.0f} s "
+                    f"(last answer: {answer}); raise the startup timeout if it is still loading"
+                )
+                raise ServerStartError(
+                    f"{self.name} (pid {self.pid}) {what}; last lines of {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            if time.monotonic() >= next_log:
+                logger.info(
+                    "waiting for %s (pid %d) to answer %s: %.0f s of %.0f s (last answer: %s)",
+                    self.name,
+                    self.pid,
+                    probe_url,
+                    elapsed,
+                    timeout_s,
+                    answer,
+                )
+                next_log += 10.0
+            time.sleep(poll_s)
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after `grace_s`; idempotent."""
+        if self._log.closed:
+            return  # already stopped: its group id may belong to someone else by now
+        atexit.unregister(self.shutdown)
+        pgid = self.pid  # start_new_session made the top process the group leader
+        _signal_group(pgid, signal.SIGTERM)
+        if not self._wait_group_exit(pgid, grace_s):
+            logger.warning("%s ignored SIGTERM for %.0f s; sending SIGKILL", self.name, grace_s)
+            _signal_group(pgid, signal.SIGKILL)
+            if not self._wait_group_exit(pgid, 5.0):
+                logger.error("%s: processes of group %d survived SIGKILL", self.name, pgid)
+        self._process.wait()  # reap the leader
+        self._log.close()
+        logger.info("%s (pid %d) stopped with code %s", self.name, self.pid, self.poll())
+
+    def _wait_group_exit(self, pgid: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._process.poll()  # reap the leader, so a zombie does not count as alive
+            if not _process_group_alive(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # the group emptied in the meantime
+
+
+class SGLangEngine:
+    """A real SGLang server: launched, health-checked, registered with routers, shut down.
+
+    `launch_command` replaces `build_launch_command(config)` (a wrapper such as numactl, or a
+    stand-in server in tests); it then skips the install check, which is the caller's business.
+    """
+
+    def __init__(
+        self,
+        config: SGLangEngineConfig,
+        *,
+        launch_command: list[str] | None = None,
+        log_path: str | Path | None = None,
+    ):
+        self.config = config
+        self.launch_command = launch_command
+        self.log_path = log_path
+        self._process: ServerProcess | None = None
+        self._client: SyncEngineClient | None = None
+        self._routers: list[str] = []
+
+    @property
+    def url(self) -> str:
+        # A wildcard bind is reachable on loopback; set host to the node's address for remote use.
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return f"http://{host}:{self.config.port}"
+
+    @property
+    def client(self) -> SyncEngineClient:
+        """A client of this server (created on first use, closed by shutdown)."""
+        if self._client is None:
+            self._client = SyncEngineClient(self.url, api_key=self.config.api_key)
+        return self._client
+
+    def start(self) -> None:
+        """Launch the server and wait until /health_generate answers."""
+        if self._process is not None:
+            raise RuntimeError(f"SGLang engine {self.url} is already started")
+        if self.launch_command is None:
+            require_sglang()
+        command = self.launch_command or build_launch_command(self.config)
+        name = f"sglang-{self.config.port}"
+        process = ServerProcess(command, name=name, log_path=self.log_path)
+        try:
+            process.wait_until_ready(
+                f"{self.url}/health_generate", timeout_s=self.config.startup_timeout_s
+            )
+        except BaseException:  # also Ctrl-C while waiting: leave no server behind
+            process.shutdown()  # idempotent: a failed wait has already done it
+            raise
+        self._process = process
+
+    def register_with_router(self, router_url: str, timeout_s: float = 60.0) -> None:
+        """Add this server to a running sglang-router; shutdown removes it again."""
+        # router.py builds on this module's ServerProcess: importing it at call time keeps the
+        # module graph acyclic.
+        from miles.backends.sglang_utils.router import add_worker
+
+        add_worker(router_url, self.url, timeout_s=timeout_s)
+        self._routers.append(router_url)
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Leave the routers, close the client and kill the server's process tree; idempotent."""
+        for router_url in self._routers:
+            from miles.backends.sglang_utils.router import remove_worker  # see register_with_router
+
+            try:
+                remove_worker(router_url, self.url, timeout_s=10.0)
+            except Exception as exc:  # the router may be gone already; the kill must still happen
+                logger.warning("could not remove %s from router %s: %s", self.url, router_url, exc)
+        self._routers.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._process is not None:
+            self._process.shutdown(grace_s)
+
+    def __enter__(self) -> SGLangEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
