@@ -1,0 +1,139 @@
+"""Seconds to push a ~100M-parameter model into a running reference engine through each transport,
+next to a plain memory copy of the same bytes, all measured in this one run.
+
+    uv run python bench/weight_sync.py [--buffer-mb 256] [--repeats 2]
+
+Transports: shared-memory tensors (`/update_weights_from_tensor`, colocated) and a gloo broadcast
+group with the engine (`/update_weights_from_distributed`, disaggregated). The copy is a
+`torch.Tensor.copy_` of every parameter into a preallocated buffer, the floor for any transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.backends.sglang_utils.client import SyncEngineClient
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+from miles.backends.sglang_utils.weight_sync import DistributedWeightSender, TensorWeightSender
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_engine(model_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    script = Path(sys.prefix) / "bin" / "miles-reference-engine"
+    process = subprocess.Popen(
+        [
+            str(script),
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise TimeoutError("engine did not start")
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--buffer-mb", type=int, default=256, help="--update-weight-buffer-size")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    max_bytes = args.buffer_mb * 2**20
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(
+            tmp,
+            hidden_size=768,
+            intermediate_size=2560,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+            seed=1,
+        )
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        params = list(model.named_parameters())
+        total_bytes = sum(p.numel() * p.element_size() for _, p in params)
+        print(
+            f"model: {sum(p.numel() for _, p in params) / 1e6:.1f}M params, {total_bytes / 1e9:.3f} GB fp32, "
+            f"bucket {args.buffer_mb} MiB"
+        )
+        buffer = torch.empty(sum(p.numel() for _, p in params))
+
+        def copy() -> None:
+            offset = 0
+            for _, p in params:
+                buffer[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+
+        process, url = _start_engine(path)
+        client = SyncEngineClient(url)
+        try:
+            tensor_sender = TensorWeightSender([client], max_bytes=max_bytes, dtype=torch.float32)
+            results = {"memory copy (floor)": _best(copy, args.repeats)}
+            results["update_weights_from_tensor"] = _best(
+                lambda: tensor_sender.send(iter(params), weight_version="bench"), args.repeats
+            )
+            sender = DistributedWeightSender(
+                [client],
+                master_address="127.0.0.1",
+                master_port=_free_port(),
+                group_name="bench",
+                backend="gloo",
+                max_bytes=max_bytes,
+                dtype=torch.float32,
+            )
+            sender.connect()
+            try:
+                results["update_weights_from_distributed"] = _best(
+                    lambda: sender.send(iter(params), weight_version="bench"), args.repeats
+                )
+            finally:
+                sender.close()
+        finally:
+            client.close()
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+    print(f"{'transport':<34} {'seconds':>9} {'GB/s':>8}")
+    for name, seconds in results.items():
+        print(f"{name:<34} {seconds:>9.3f} {total_bytes / seconds / 1e9:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""`miles-reference-engine`: serve a transformers causal LM with SGLang's HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from miles.backends.sglang_utils.reference_engine.config import DTYPES, ReferenceEngineConfig
+from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine, create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="miles-reference-engine",
+        description="Serve a Hugging Face causal LM with SGLang's native HTTP API (CPU or GPU).",
+    )
+    parser.add_argument("--model-path", required=True, help="checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--max-running-requests", type=int, default=128)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:1")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    options = {k: v for k, v in vars(args).items() if k != "log_level"}
+    try:
+        config = ReferenceEngineConfig(**options)
+    except ValueError as err:
+        print(f"miles-reference-engine: {err}", file=sys.stderr)
+        return 2
+    engine = ReferenceEngine(config)
+    uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=args.log_level)
+    engine.scheduler.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Settings of one reference engine, with SGLang's server flag names where they exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(kw_only=True)
+class ReferenceEngineConfig:
+    """One engine: which model, where it listens, how much it batches."""
+
+    model_path: str
+    """--model-path: a Hugging Face checkpoint directory (config, weights, tokenizer)."""
+    host: str = "127.0.0.1"
+    """--host: loopback by default; bind wider only behind --api-key."""
+    port: int = 30000
+    """--port."""
+    random_seed: int = 0
+    """--random-seed: seeds unseeded requests' samplers."""
+    dtype: str = "auto"
+    """--dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    context_length: int | None = None
+    """--context-length: prompt + output limit (default: the model's max_position_embeddings)."""
+    max_running_requests: int = 128
+    """--max-running-requests: sequences decoded together; more wait in the queue."""
+    api_key: str | None = None
+    """--api-key: require `Authorization: Bearer <key>` on every request."""
+    device: str | None = None
+    """--device: torch device (default: the detected accelerator, else cpu)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port (1-65535)")
+        if self.max_running_requests < 1:
+            raise ValueError(
+                f"--max-running-requests must be >= 1, got {self.max_running_requests}"
+            )
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | str:
+        return DTYPES[self.dtype] or "auto"

@@ -1,0 +1,134 @@
+"""A Hugging Face causal LM run as prefill and decode steps over a running batch.
+
+The running batch keeps one left-padded KV cache per layer, (B, kv_heads, L, head_dim), and an
+attention mask marking real positions. Requests join between decode steps (their prefill cache is
+padded to the batch's length and concatenated) and leave the same way (their rows are dropped and
+all-padding columns trimmed), which is what makes the batching continuous.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+
+@dataclass
+class BatchState:
+    """KV tensors per layer, (B, H, L, D), and the (B, L) mask of real (1) vs padding (0)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    mask: Tensor
+
+    @property
+    def size(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+
+def _left_pad(t: Tensor, target: int, dim: int) -> Tensor:
+    missing = target - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
+    """Rows of `a` followed by rows of `b`, both left-padded to the longer length."""
+    if a is None or a.size == 0:
+        return b
+    length = max(a.length, b.length)
+    keys = [
+        torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
+        for x, y in zip(a.keys, b.keys, strict=True)
+    ]
+    values = [
+        torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
+        for x, y in zip(a.values, b.values, strict=True)
+    ]
+    mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)])
+    return BatchState(keys, values, mask)
+
+
+def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
+    """Keep `rows` (in order) and trim leading columns that are padding in every kept row."""
+    if not rows:
+        return None
+    index = torch.tensor(rows, device=state.mask.device)
+    mask = state.mask.index_select(0, index)
+    first_real = int(mask.any(0).nonzero()[0, 0]) if mask.any() else mask.shape[1]
+    keys = [k.index_select(0, index)[:, :, first_real:] for k in state.keys]
+    values = [v.index_select(0, index)[:, :, first_real:] for v in state.values]
+    return BatchState(keys, values, mask[:, first_real:])
+
+
+class ModelRunner:
+    """Prefill and decode for one model on one device, with no autograd."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model.eval().to(device)
+        self.device = device
+        # transformers 5 renamed the cache argument; accept either spelling.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _forward(
+        self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache
+    ) -> Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits  # (B, S, V)
+
+    @staticmethod
+    def _state_from(cache: DynamicCache, mask: Tensor) -> BatchState:
+        return BatchState(
+            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask
+        )
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
+        """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts."""
+        length = max(len(p) for p in prompts)
+        input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
+        mask = torch.zeros(len(prompts), length, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, length - len(prompt) :] = torch.tensor(prompt)
+            mask[row, length - len(prompt) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        cache = DynamicCache()
+        logits = self._forward(input_ids, mask, positions, cache)
+        return logits[:, -1, :], self._state_from(cache, mask)
+
+    @torch.no_grad()
+    def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:
+        """Feed one new token per row; logits (B, V) for the next token and the grown state."""
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
+            cache.update(k, v, layer)
+        positions = state.mask.sum(-1, keepdim=True)  # (B, 1): the next real position per row
+        mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
+        input_ids = torch.tensor(tokens, device=self.device).unsqueeze(-1)  # (B, 1)
+        logits = self._forward(input_ids, mask, positions, cache)
+        return logits[:, -1, :], self._state_from(cache, mask)
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int], temperature: float = 1.0) -> Tensor:
+        """Teacher-forced log-probs of tokens[1:] given their prefixes, (T-1,), for checks."""
+        ids = torch.tensor([token_ids], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, :-1].float() / temperature
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)

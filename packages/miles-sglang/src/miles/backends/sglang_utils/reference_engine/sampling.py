@@ -1,0 +1,150 @@
+"""SGLang's sampling parameters, validated, and the sampler that applies them to a batch.
+
+Log-probs are those of `softmax(logits / temperature)` (temperature 1 when greedy), the same
+distribution the trainer's `get_log_probs_and_entropy` scores, so both sides agree token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+# Below this temperature SGLang samples greedily.
+GREEDY_TEMPERATURE = 1e-5
+
+# SGLang sampling fields the reference engine accepts only at these defaults.
+UNSUPPORTED_AT_DEFAULT: dict[str, object] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stop_regex": None,
+    "custom_params": None,
+}
+# Fields with no effect on what is sampled here (output formatting, scheduling hints).
+ACCEPTED_AND_IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stream_interval",
+}
+# Newer SGLang releases name the per-request seed `sampling_seed`.
+ALIASES = {"sampling_seed": "seed"}
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the server answers 400 with this message."""
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The sampling part of a /generate request, with SGLang's names and defaults."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens", "be >= 0"),
+            (self.temperature >= 0, "temperature", "be >= 0 (0 is greedy)"),
+            (0 < self.top_p <= 1, "top_p", "be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", "be -1 (off) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p", "be in [0, 1]"),
+            (self.n >= 1, "n", "be >= 1"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidRequestError(
+                    f"sampling_params.{name}={getattr(self, name)!r} is out of range: it must {rule}"
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, raw: dict | None) -> SamplingParams:
+        """Parse SGLang's sampling_params dict; unknown or unsupported fields are a clear 400."""
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for name, value in raw.items():
+            name = ALIASES.get(name, name)
+            if name in known:
+                kwargs[name] = value
+            elif name in UNSUPPORTED_AT_DEFAULT:
+                if value not in (UNSUPPORTED_AT_DEFAULT[name], None):
+                    raise InvalidRequestError(
+                        f"sampling_params.{name}={value!r} is not supported by the reference engine; "
+                        f"leave it at {UNSUPPORTED_AT_DEFAULT[name]!r} or use an SGLang engine"
+                    )
+            elif name not in ACCEPTED_AND_IGNORED:
+                raise InvalidRequestError(
+                    f"sampling_params has unknown field {name!r}; known: {', '.join(sorted(known))}"
+                )
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        for name in ("stop", "stop_token_ids"):
+            if kwargs.get(name) is None:
+                kwargs.pop(name, None)
+        try:
+            return cls(**kwargs)
+        except TypeError as err:
+            raise InvalidRequestError(f"bad sampling_params: {err}") from None
+
+
+def _filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """top-k, then top-p, then min-p, on one row of temperature-scaled logits."""
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
+        drop = probs.cumsum(-1) - probs > params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample_next_tokens(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """One token per row of (B, V) logits, and its log-prob under the temperature-scaled
+    distribution. Each row samples with its own generator, so a seeded request gives the same
+    tokens whatever else shares the batch."""
+    logits = logits.float()
+    tokens, log_probs = [], []
+    for row, p, gen in zip(logits, params, generators, strict=True):
+        # The trainer scores with the configured temperature even when top_k=1 makes the draw
+        # greedy; only temperature 0 has no distribution of its own and is scored at 1.
+        temperature = 1.0 if p.temperature < GREEDY_TEMPERATURE else p.temperature
+        scaled = row / temperature  # (V,)
+        log_p = torch.log_softmax(scaled, dim=-1)  # (V,)
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            filtered = _filter_logits(scaled, p)
+            probs = torch.softmax(filtered, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        tokens.append(token)
+        log_probs.append(float(log_p[token]))
+    return tokens, log_probs

@@ -1,0 +1,269 @@
+"""The engine loop: one thread owns the model, admits requests, decodes the running batch.
+
+Between two decode steps the loop admits waiting requests (one batched prefill), retires
+finished ones, and runs queued commands (weight updates, memory release), so a command never
+runs in the middle of a forward pass and in-flight sequences keep their KV cache across it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles.backends.sglang_utils.reference_engine.model_runner import (
+    BatchState,
+    ModelRunner,
+    merge_states,
+    select_rows,
+)
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams, sample_next_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate; `on_event(request, finished)` is called from the loop thread
+    after every new token and once when it finishes."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[Request, bool], None]
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    stop_checker: Callable[[Request], str | None] | None = None
+
+
+class Scheduler:
+    """Continuous batching over a `ModelRunner`; thread-safe entry points for the server."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        eos_token_ids: set[int],
+        context_length: int,
+        max_running_requests: int,
+        seed: int,
+    ) -> None:
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.max_running_requests = max_running_requests
+        self.weight_version = "0"
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._waiting: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._running: list[Request] = []
+        self._state: BatchState | None = None
+        self._next_tokens: list[int] = []
+        self._aborts: set[str] = set()
+        self._abort_all = threading.Event()
+        self._paused = threading.Event()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.finished_requests = 0
+        self._thread = threading.Thread(
+            target=self._loop, name="reference-engine-loop", daemon=True
+        )
+        self._thread.start()
+
+    # ---- entry points (any thread) -------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        if request.params.seed is not None:
+            request.generator.manual_seed(request.params.seed)
+        else:
+            with self._lock:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            request.generator.manual_seed(seed)
+        self._waiting.put(request)
+        self._wake.set()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        with self._lock:
+            if abort_all:
+                self._abort_all.set()
+            elif rid:
+                self._aborts.add(rid)
+        self._wake.set()
+
+    def pause(self) -> None:
+        """Stop stepping; running requests keep their place and cache (SGLang "in_place")."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused.is_set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def run_command(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the loop thread between two steps (even while paused)."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- loop thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            self._apply_aborts()
+            if self._paused.is_set() or (not self._running and self._waiting.empty()):
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                self._step()
+            except Exception as err:  # a bug or OOM must fail the requests, not kill the loop
+                logger.exception(
+                    "engine step failed; aborting %d running requests", len(self._running)
+                )
+                for request in self._running:
+                    self._finish(request, {"type": "abort", "message": f"engine error: {err}"})
+                self._running, self._state, self._next_tokens = [], None, []
+
+    def _run_commands(self) -> None:
+        while not self._commands.empty():
+            fn, future = self._commands.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as err:
+                future.set_exception(err)
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            abort_all, rids = self._abort_all.is_set(), set(self._aborts)
+            self._abort_all.clear()
+            self._aborts.clear()
+        if not abort_all and not rids:
+            return
+        pending = []
+        while not self._waiting.empty():
+            pending.append(self._waiting.get())
+        for request in pending:
+            if abort_all or request.rid in rids:
+                self._finish(request, {"type": "abort", "message": "aborted by request"})
+            else:
+                self._waiting.put(request)
+        self._retire([r for r in self._running if abort_all or r.rid in rids], "aborted by request")
+
+    def _admit(self) -> None:
+        new = []
+        while (
+            not self._waiting.empty() and len(self._running) + len(new) < self.max_running_requests
+        ):
+            request = self._waiting.get()
+            if request.params.max_new_tokens == 0:
+                self._finish(request, {"type": "length", "length": 0})
+            else:
+                new.append(request)
+        if not new:
+            return
+        logits, state = self.runner.prefill([r.input_ids for r in new])
+        tokens = self._sample_and_record(new, logits)
+        self._running += new
+        self._next_tokens += tokens
+        self._state = merge_states(self._state, state)
+        self._retire_finished()
+
+    def _step(self) -> None:
+        self._admit()
+        if not self._running:
+            return
+        logits, self._state = self.runner.decode(self._state, self._next_tokens)
+        self._next_tokens = self._sample_and_record(self._running, logits)
+        self.steps += 1
+        self._retire_finished()
+
+    def _sample_and_record(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        tokens, log_probs = sample_next_tokens(
+            logits, [r.params for r in requests], [r.generator for r in requests]
+        )
+        for request, token, log_prob in zip(requests, tokens, log_probs, strict=True):
+            request.output_ids.append(token)
+            request.output_logprobs.append(log_prob)
+            request.weight_version = self.weight_version
+            request.finish_reason = self._finish_reason(request, token)
+            if request.finish_reason is None:
+                request.on_event(request, False)
+        return tokens
+
+    def _finish_reason(self, request: Request, token: int) -> dict[str, Any] | None:
+        params = request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return {"type": "stop", "matched": token}
+        if token in params.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if (
+            request.stop_checker is not None
+            and (matched := request.stop_checker(request)) is not None
+        ):
+            return {"type": "stop", "matched": matched}
+        if len(request.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": len(request.output_ids)}
+        if len(request.input_ids) + len(request.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(request.output_ids)}
+        return None
+
+    def _retire_finished(self) -> None:
+        done = [r for r in self._running if r.finish_reason is not None]
+        if done:
+            self._retire(done, None)
+
+    def _retire(self, requests: list[Request], abort_message: str | None) -> None:
+        if not requests:
+            return
+        leaving = {id(r) for r in requests}
+        keep = [i for i, r in enumerate(self._running) if id(r) not in leaving]
+        for request in requests:
+            reason = request.finish_reason
+            if abort_message is not None:
+                reason = {"type": "abort", "message": abort_message}
+            self._finish(request, reason)
+        self._next_tokens = [self._next_tokens[i] for i in keep]
+        self._running = [self._running[i] for i in keep]
+        self._state = select_rows(self._state, keep) if self._state is not None else None
+
+    def _finish(self, request: Request, reason: dict[str, Any]) -> None:
+        self.finished_requests += 1
+        request.finish_reason = reason
+        request.weight_version = request.weight_version or self.weight_version
+        request.on_event(request, True)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """True once nothing is running or waiting (used before releasing memory)."""
+        deadline = time.monotonic() + timeout_s
+        while self._running or not self._waiting.empty():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True

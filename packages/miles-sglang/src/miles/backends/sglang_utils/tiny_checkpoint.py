@@ -1,0 +1,87 @@
+"""Small checkpoints of real architectures, built locally: nothing is downloaded.
+
+`build_tiny_checkpoint` writes a Hugging Face directory (config, safetensors weights, tokenizer)
+that `AutoModelForCausalLM.from_pretrained`, the reference engine and the trainers load like any
+hub checkpoint. The tokenizer is a byte-level BPE with no merges (every byte is a token, as in
+GPT-2/Qwen before merges) plus the chat special tokens, so any text round-trips.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen-style chat template: what `--apply-chat-template` renders for the tiny models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: 256 byte tokens, then the special tokens (ids 256, 257, 258)."""
+    vocab = {char: byte for byte, char in enumerate(_bytes_to_unicode())}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's reversible byte -> printable character table, indexed by byte value."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:
+    """A Qwen3 config small enough to train on a laptop CPU; vocabulary matches the tokenizer."""
+    settings = {
+        "vocab_size": 256 + len(SPECIAL_TOKENS),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": 256,
+        "pad_token_id": 256,
+        "torch_dtype": "float32",
+    }
+    settings.update(overrides)
+    return transformers.Qwen3Config(**settings)
+
+
+def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides) -> Path:
+    """Write a randomly initialised (seeded) tiny Qwen3 checkpoint and tokenizer to `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(**config_overrides))
+    model.save_pretrained(path, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
