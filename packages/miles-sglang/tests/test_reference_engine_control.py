@@ -134,3 +134,12 @@ def test_pause_in_place_keeps_the_sequence_and_it_completes_after_continue(engin
     _post(engine_url, "/continue_generation")
     thread.join(30)
     assert results[0]["output_ids"] == expected
+
+
+def test_api_key_is_required_on_every_route_when_set(start_engine, tiny_checkpoint):
+    with start_engine(tiny_checkpoint, "--api-key", "s3cret") as url:
+        assert httpx.get(f"{url}/get_model_info").status_code == 401
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert _post(url, "/generate", json=body).status_code == 401
+        headers = {"Authorization": "Bearer s3cret"}
+        assert _post(url, "/generate", json=body, headers=headers).status_code == 200

@@ -179,7 +179,13 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        # Health probes stay open, as in SGLang: routers and orchestrators poll them keyless.
+        open_path = request.url.path in ("/health", "/health_generate")
+        if (
+            api_key
+            and not open_path
+            and request.headers.get("authorization") != f"Bearer {api_key}"
+        ):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
         return await call_next(request)
 
