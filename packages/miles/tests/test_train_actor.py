@@ -1,0 +1,168 @@
+"""The train-actor contract: abstract methods, argument checks and process-group set-up."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import sys
+
+import pytest
+
+from miles.ray import TrainRayActor
+
+
+class _EchoActor(TrainRayActor):
+    """The smallest complete backend: records calls, trains nothing."""
+
+    def init(self, args, role, with_ref):
+        self.setup_distributed(timeout_s=60)
+        return 0
+
+    def train(self, rollout_id, data_ref):
+        return {"rollout_id": rollout_id}
+
+    def save_model(self, rollout_id):
+        pass
+
+    def update_weights(self):
+        pass
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+    def export_hf(self, path):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join_and_all_reduce(rank: int, world_size: int, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MILES_DEVICE"] = "cpu"
+    try:
+        actor = _EchoActor(rank, world_size, "127.0.0.1", port)
+        start = actor.init(args=None, role="actor", with_ref=False)
+        actor.setup_distributed(timeout_s=60)  # a second call keeps the group
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value)
+        env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+        queue.put((rank, start, value.item(), dist.get_backend(), env))
+        dist.destroy_process_group()
+    except BaseException as err:
+        queue.put((rank, "error", repr(err), None, None))
+
+
+def test_a_backend_missing_a_contract_method_cannot_be_instantiated():
+    class Partial(TrainRayActor):
+        def init(self, args, role, with_ref):
+            return 0
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial(0, 1, "127.0.0.1", 29500)
+
+
+def test_the_contract_lists_exactly_the_design_methods():
+    assert TrainRayActor.__abstractmethods__ == {
+        "init", "train", "save_model", "update_weights", "sleep", "wake_up", "export_hf",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "addr", "port", "message"),
+    [
+        (2, 2, "127.0.0.1", 29500, "rank 2 of world size 2"),
+        (-1, 2, "127.0.0.1", 29500, "rank -1"),
+        (0, 0, "127.0.0.1", 29500, "world_size >= 1"),
+        (0, 1, "127.0.0.1", 0, "master_port 0"),
+        (0, 1, "127.0.0.1", 70000, "master_port 70000"),
+        (0, 1, "", 29500, "master_addr is empty"),
+    ],
+)
+def test_constructor_rejects_an_impossible_placement(rank, world_size, addr, port, message):
+    with pytest.raises(ValueError, match=message):
+        _EchoActor(rank, world_size, addr, port)
+
+
+def test_local_rank_defaults_to_the_first_device(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _EchoActor(0, 1, "127.0.0.1", 29500).local_rank == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert _EchoActor(0, 1, "127.0.0.1", 29500).local_rank == 3
+
+
+def test_setup_distributed_joins_every_rank_with_rank_zero_as_master():
+    ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "forkserver")
+    port, world_size = _free_port(), 2
+    queue = ctx.Queue()
+    processes = [
+        ctx.Process(target=_join_and_all_reduce, args=(rank, world_size, port, queue))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        results = sorted(queue.get(timeout=90) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    for rank, start, total, backend, env in results:
+        assert start == 0, f"rank {rank} failed: {total}"
+        assert total == 3.0  # 1 + 2: both ranks are in one group
+        assert backend == "gloo"
+        assert env == {
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }  # fmt: skip
+
+
+def _join_twice_with_another_rank(port: int, queue) -> None:
+    os.environ["MILES_DEVICE"] = "cpu"
+    import torch.distributed as dist
+
+    try:
+        _EchoActor(0, 1, "127.0.0.1", port).setup_distributed(timeout_s=30)
+        try:
+            _EchoActor(0, 2, "127.0.0.1", port).setup_distributed(timeout_s=30)
+            queue.put("no error")
+        except RuntimeError as err:
+            queue.put(str(err))
+        dist.destroy_process_group()
+    except BaseException as err:
+        queue.put(repr(err))
+
+
+def test_setup_distributed_refuses_a_group_of_another_size():
+    ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "forkserver")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_join_twice_with_another_rank, args=(_free_port(), queue))
+    process.start()
+    try:
+        message = queue.get(timeout=60)
+    finally:
+        process.join(timeout=10)
+    assert "already joined a process group as rank 0 of 1" in message
+    assert "rank 0 of 2" in message
+
+
+def test_core_train_actor_imports_neither_ray_nor_a_backend():
+    import subprocess
+
+    code = (
+        "import sys, miles.ray; "
+        "bad = [m for m in sys.modules if m == 'ray' or m.startswith(('ray.', "
+        "'miles.backends.fsdp_utils', 'miles.backends.megatron_utils'))]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
