@@ -1,0 +1,352 @@
+"""Settings of the FSDP training backend: one dataclass, loaded from YAML and command-line flags.
+
+Every field is a user flag (`lr_decay_style` is `--lr-decay-style`). Settings this backend cannot
+honour raise at load time, naming the flag, instead of being silently ignored (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.util
+import logging
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from miles.backends.training_utils.device import get_device_info
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class FSDPArgs:
+    """Optimizer, schedule, batching, parallelism and precision settings of the FSDP backend."""
+
+    lr: float = 1e-6
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay; needs a decaying --lr-decay-style."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
+    adam_beta2: float = 0.98
+    """AdamW second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
+    """Shape of the learning rate after warmup (wsd: warmup-stable-decay)."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of linear warmup from 0 to --lr."""
+    lr_decay_iters: int | None = None
+    """Optimizer step at which the rate reaches --min-lr (warmup included); None: the backend
+    uses the total number of optimizer steps of the run."""
+    lr_wsd_decay_iters: int | None = None
+    """Length of the final decay phase of --lr-decay-style wsd, in optimizer steps."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass when --use-dynamic-batch-size is off."""
+    use_dynamic_batch_size: bool = False
+    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed sample count."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of one micro-batch per GPU; required by, and only used with,
+    --use-dynamic-batch-size."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    fsdp_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in host memory (FSDP2 offload)."""
+    dp_replicate_size: int = 1
+    """HSDP replicas: shard within groups of world/replicas ranks, replicate across groups."""
+    context_parallel_size: int = 1
+    """Ranks that split one sequence; the FSDP backend supports only 1 for now."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """transformers attention kernel of the trained model."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of parameters in forward/backward; auto: bfloat16 on accelerators, float32
+    on CPU. Master weights and optimizer states stay float32."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduce-scatter / all-reduce."""
+    update_weight_buffer_size: int = 512 * 2**20
+    """Bytes of gathered parameters per bucket when pushing weights to the rollout engines."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as the old policy instead of recomputing them in the trainer."""
+    lora_rank: int = 0
+    """LoRA adapter rank; the FSDP backend supports only 0 (full fine-tuning) for now."""
+    use_critic: bool = False
+    """Train a value model; the FSDP backend has no critic yet."""
+    seed: int = 1234
+    """Seed of model initialisation and every random number generator of the trainer."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ranges(self)
+        _check_unsupported(self)
+        _check_schedule(self)
+        _check_batching(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_choices(args: FSDPArgs) -> None:
+    for f in dataclasses.fields(args):
+        choices = _literal_choices(_field_types()[f.name])
+        value = getattr(args, f.name)
+        if choices and value not in choices:
+            raise ValueError(
+                f"{_flag(f.name)} {value!r} is not a valid choice; use one of {', '.join(choices)}"
+            )
+
+
+def _check_ranges(args: FSDPArgs) -> None:
+    minimums = {
+        "lr": 0.0,
+        "min_lr": 0.0,
+        "weight_decay": 0.0,
+        "clip_grad": 0.0,
+        "lr_warmup_iters": 0,
+        "lora_rank": 0,
+        "micro_batch_size": 1,
+        "dp_replicate_size": 1,
+        "context_parallel_size": 1,
+        "update_weight_buffer_size": 1,
+    }
+    for name, minimum in minimums.items():
+        if getattr(args, name) < minimum:
+            raise ValueError(f"{_flag(name)} must be >= {minimum}, got {getattr(args, name)}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
+    if args.adam_eps <= 0:
+        raise ValueError(f"--adam-eps must be > 0, got {args.adam_eps}")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+
+
+def _check_unsupported(args: FSDPArgs) -> None:
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+            "supported yet by the FSDP backend; use --context-parallel-size 1 (or the Megatron "
+            "backend)"
+        )
+    if args.lora_rank > 0:
+        raise ValueError(
+            f"--lora-rank {args.lora_rank}: LoRA is not supported by the FSDP backend; use "
+            "--lora-rank 0 (full fine-tuning)"
+        )
+    if args.use_critic:
+        raise ValueError(
+            "--use-critic: the FSDP backend has no critic yet; use a critic-free advantage "
+            "estimator (grpo, dr_grpo, gspo, rloo, reinforce_plus_plus) or the Megatron backend"
+        )
+    if args.attn_implementation == "flash_attention_2":
+        _check_flash_attention()
+
+
+def _check_flash_attention() -> None:
+    kind = get_device_info().kind
+    # ROCm builds of PyTorch run flash-attn through the same "cuda" device type.
+    if kind not in ("cuda", "rocm"):
+        raise ValueError(
+            f"--attn-implementation flash_attention_2 needs a CUDA GPU, but this process runs on "
+            f"{kind}; use --attn-implementation sdpa"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package, which is not "
+            "installed; install it or use --attn-implementation sdpa"
+        )
+
+
+def _check_schedule(args: FSDPArgs) -> None:
+    style = args.lr_decay_style
+    if style == "constant":
+        for name, value in (("min_lr", args.min_lr), ("lr_decay_iters", args.lr_decay_iters)):
+            if value not in (None, 0.0):
+                raise ValueError(
+                    f"{_flag(name)} ({value}) has no effect with --lr-decay-style constant; "
+                    "drop it or choose linear, cosine or wsd"
+                )
+    if style != "wsd" and args.lr_wsd_decay_iters is not None:
+        raise ValueError(
+            f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) only applies to --lr-decay-style "
+            f"wsd, not {style}; drop it or use --lr-decay-style wsd"
+        )
+    if style == "wsd" and args.lr_wsd_decay_iters is None:
+        raise ValueError(
+            "--lr-decay-style wsd needs --lr-wsd-decay-iters (steps of the final decay phase)"
+        )
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise ValueError(
+            f"--lr-decay-iters ({args.lr_decay_iters}) must exceed --lr-warmup-iters "
+            f"({args.lr_warmup_iters}): decay starts after warmup"
+        )
+
+
+def _check_batching(args: FSDPArgs) -> None:
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        raise ValueError(
+            "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one "
+            "micro-batch); set it, e.g. --max-tokens-per-gpu 8192"
+        )
+    if not args.use_dynamic_batch_size and args.max_tokens_per_gpu is not None:
+        raise ValueError(
+            f"--max-tokens-per-gpu ({args.max_tokens_per_gpu}) is only used with "
+            "--use-dynamic-batch-size; add that flag or drop --max-tokens-per-gpu"
+        )
+    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
+
+
+def validate_hybrid_shard_args(world_size: int, dp_replicate_size: int) -> None:
+    """Check that --dp-replicate-size splits the `world_size` training ranks into equal replicas."""
+    if world_size < 1:
+        raise ValueError(f"the training world size must be >= 1, got {world_size}")
+    if dp_replicate_size < 1 or world_size % dp_replicate_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"--dp-replicate-size ({dp_replicate_size}) must be >= 1 and divide the number of "
+            f"training ranks ({world_size}); each HSDP replica shards over world size / replicas "
+            f"ranks: use one of {divisors}"
+        )
+
+
+def load_fsdp_args(config_path: str | None = None, argv: list[str] | None = None) -> FSDPArgs:
+    """FSDPArgs from defaults, then a YAML file, then command-line flags (the last one wins).
+
+    YAML keys may use `_` or `-` (`lr_decay_style` / `lr-decay-style`). Flags are `--lr 1e-5`,
+    `--lr=1e-5`, and for booleans `--gradient-checkpointing` / `--no-gradient-checkpointing`.
+    Unknown names are rejected with the closest valid one suggested.
+    """
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        values.update(_read_yaml(config_path))
+    if argv:
+        values.update(_parse_argv(argv))
+    return FSDPArgs(**values)
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    # The module uses postponed annotations, so the dataclass fields hold strings; resolve once.
+    return typing.get_type_hints(FSDPArgs)
+
+
+def _literal_choices(annotation: Any) -> tuple[str, ...]:
+    return get_args(annotation) if get_origin(annotation) is Literal else ()
+
+
+def _unknown(name: str, known: list[str], what: str) -> ValueError:
+    """An "unknown FSDP <what>" error naming the closest known name (all of them if none is)."""
+    match = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {match[0]!r}?" if match else f"; valid names: {', '.join(known)}"
+    return ValueError(f"unknown FSDP {what}{hint}")
+
+
+def _read_yaml(config_path: str) -> dict[str, Any]:
+    with Path(config_path).open() as f:
+        raw = yaml.safe_load(f)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{config_path} must hold a mapping of FSDP settings (lr: 1e-6, ...), "
+            f"got a {type(raw).__name__}"
+        )
+    types_ = _field_types()
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in types_:
+            known = [n.replace("_", "-") if "-" in str(key) else n for n in types_]
+            raise _unknown(str(key), known, f"setting {str(key)!r} in {config_path}")
+        if name in values:
+            raise ValueError(f"{config_path} sets {name!r} twice (with '_' and with '-')")
+        values[name] = _convert(value, types_[name], f"{key!r} in {config_path}")
+    return values
+
+
+def _parse_argv(argv: list[str]) -> dict[str, Any]:
+    types_ = _field_types()
+    flags = [_flag(n) for n in types_]
+    flags += [f"--no-{n.replace('_', '-')}" for n, t in types_.items() if t is bool]
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--"):
+            raise ValueError(f"unexpected argument {token!r}; FSDP flags look like --lr 1e-5")
+        flag, has_value, value = token.partition("=")
+        name = flag[2:].replace("-", "_")
+        if name.startswith("no_") and types_.get(name[3:]) is bool and not has_value:
+            values[name[3:]] = False
+            continue
+        if name not in types_:
+            raise _unknown(flag, flags, f"flag {flag!r}")
+        if types_[name] is bool and not has_value:
+            values[name] = True
+            continue
+        if not has_value:
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise ValueError(f"{flag} needs a value, e.g. {flag} <value>")
+            value = argv[i]
+            i += 1
+        values[name] = _convert(value, types_[name], flag)
+    return values
+
+
+def _convert(value: Any, annotation: Any, where: str) -> Any:
+    """`value` (from YAML or a command-line string) as the field's type, or a ValueError."""
+    if isinstance(annotation, types.UnionType) and type(None) in get_args(annotation):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        (annotation,) = (a for a in get_args(annotation) if a is not type(None))
+    if _literal_choices(annotation):
+        return str(value)  # membership is checked, with the choices listed, in __post_init__
+    converter, expected = _CONVERTERS[annotation]
+    try:
+        return converter(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"FSDP setting {where}: expected {expected}, got {value!r}") from None
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+def _to_int(value: Any) -> int:
+    # bool is an int subclass, and float("1e3") would truncate silently: accept neither.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(value)
+    return int(value)
+
+
+def _to_float(value: Any) -> float:
+    # PyYAML reads `1e-6` (no dot) as a string, so strings are parsed too.
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(value)
+    return float(value)
+
+
+_CONVERTERS: dict[Any, tuple[Any, str]] = {
+    bool: (_to_bool, "true or false"),
+    int: (_to_int, "an integer"),
+    float: (_to_float, "a number"),
+}

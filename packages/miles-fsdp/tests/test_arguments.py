@@ -1,0 +1,182 @@
+"""FSDPArgs: YAML then command line, typed conversion, and loud rejection of what FSDP can't do."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+from miles.backends.fsdp_utils.arguments import (
+    FSDPArgs,
+    load_fsdp_args,
+    validate_hybrid_shard_args,
+)
+from miles.backends.training_utils.device import get_device_info
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)  # so error messages show the short name "config.yaml"
+    return Path("config.yaml")
+
+
+def test_defaults_are_the_documented_ones():
+    args = load_fsdp_args()
+    assert args == FSDPArgs()
+    assert (args.lr, args.adam_beta2, args.lr_decay_style, args.param_dtype) == (
+        1e-6,
+        0.98,
+        "constant",
+        "auto",
+    )
+    assert args.update_weight_buffer_size == 512 * 2**20
+
+
+def test_every_field_has_a_docstring_under_it():
+    lines = inspect.getsource(FSDPArgs).splitlines()
+    for field in dataclasses.fields(FSDPArgs):
+        (i,) = [i for i, line in enumerate(lines) if line.startswith(f"    {field.name}: ")]
+        assert lines[i + 1].strip().startswith('"""'), f"{field.name} has no docstring"
+
+
+def test_yaml_keys_with_dashes_or_underscores_are_read_and_typed(config):
+    config.write_text(
+        "lr: 1e-5\n"  # PyYAML reads this as a string; it must still become a float
+        "lr-decay-style: cosine\n"
+        "lr_decay_iters: 100\n"
+        "min-lr: 0\n"
+        "gradient_checkpointing: true\n"
+        "use-dynamic-batch-size: yes\n"
+        "max_tokens_per_gpu: 4096\n"
+    )
+    args = load_fsdp_args(str(config))
+    assert args.lr == 1e-5 and isinstance(args.lr, float)
+    assert args.lr_decay_style == "cosine"
+    assert args.lr_decay_iters == 100
+    assert args.min_lr == 0.0 and isinstance(args.min_lr, float)
+    assert args.gradient_checkpointing is True
+    assert args.use_dynamic_batch_size is True and args.max_tokens_per_gpu == 4096
+
+
+def test_command_line_flags_override_the_yaml_file(config):
+    config.write_text("lr: 1.0e-5\ngradient_checkpointing: true\nseed: 7\n")
+    args = load_fsdp_args(
+        str(config),
+        ["--lr", "3e-6", "--no-gradient-checkpointing", "--seed=9", "--fsdp-cpu-offload"],
+    )
+    assert args.lr == 3e-6
+    assert args.gradient_checkpointing is False
+    assert args.seed == 9
+    assert args.fsdp_cpu_offload is True
+
+
+def test_optional_integers_accept_none_from_the_command_line():
+    args = load_fsdp_args(
+        argv=["--lr-decay-style", "linear", "--lr-decay-iters", "10", "--lr-decay-iters", "none"]
+    )
+    assert args.lr_decay_iters is None
+
+
+def test_an_unknown_yaml_key_suggests_the_closest_setting(config):
+    config.write_text("lr_decay_stlye: cosine\n")
+    with pytest.raises(ValueError) as excinfo:
+        load_fsdp_args(str(config))
+    assert str(excinfo.value) == (
+        "unknown FSDP setting 'lr_decay_stlye' in config.yaml; did you mean 'lr_decay_style'?"
+    )
+
+
+def test_an_unknown_flag_suggests_the_closest_flag():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown FSDP flag '--lr-decay-stlye'; did you mean "
+        r"'--lr-decay-style'\?",
+    ):
+        load_fsdp_args(argv=["--lr-decay-stlye", "cosine"])
+    with pytest.raises(ValueError, match=r"did you mean '--no-gradient-checkpointing'\?"):
+        load_fsdp_args(argv=["--no-gradient-checkpoint"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "fast"], r"--lr.*expected a number, got 'fast'"),
+        (["--seed", "1.5"], r"--seed.*expected an integer, got '1.5'"),
+        (["--use-critic=maybe"], r"--use-critic.*expected true or false, got 'maybe'"),
+        (["--lr"], r"--lr needs a value"),
+        (["lr", "1"], r"unexpected argument 'lr'"),
+        (
+            ["--lr-decay-style", "step"],
+            r"--lr-decay-style 'step' is not a valid choice; use one of",
+        ),
+    ],
+)
+def test_malformed_flags_name_the_flag_and_the_value(argv, message):
+    with pytest.raises(ValueError, match=message):
+        load_fsdp_args(argv=argv)
+
+
+def test_a_yaml_bool_is_not_accepted_as_a_number(config):
+    config.write_text("micro_batch_size: true\n")
+    with pytest.raises(ValueError, match=r"'micro_batch_size' in config.yaml: expected an integer"):
+        load_fsdp_args(str(config))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"context_parallel_size": 2},
+            r"--context-parallel-size 2: .*not supported yet by the FSDP",
+        ),
+        ({"lora_rank": 8}, r"--lora-rank 8: LoRA is not supported"),
+        ({"use_critic": True}, r"--use-critic: .*critic-free"),
+        ({"use_dynamic_batch_size": True}, r"--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+        ({"max_tokens_per_gpu": 4096}, r"--max-tokens-per-gpu \(4096\) is only used with"),
+        ({"min_lr": 1e-7}, r"--min-lr \(1e-07\) has no effect with --lr-decay-style constant"),
+        ({"lr_decay_iters": 10}, r"--lr-decay-iters \(10\) has no effect with --lr-decay-style"),
+        (
+            {"lr_decay_style": "cosine", "lr_wsd_decay_iters": 5},
+            r"only applies to --lr-decay-style wsd",
+        ),
+        ({"lr_decay_style": "wsd"}, r"--lr-decay-style wsd needs --lr-wsd-decay-iters"),
+        (
+            {"lr_decay_style": "linear", "lr_warmup_iters": 10, "lr_decay_iters": 10},
+            r"--lr-decay-iters \(10\) must exceed --lr-warmup-iters \(10\)",
+        ),
+        (
+            {"min_lr": 1e-3, "lr": 1e-4, "lr_decay_style": "linear"},
+            r"--min-lr \(0.001\) must not exceed",
+        ),
+        ({"adam_beta2": 1.0}, r"--adam-beta2 must be in \[0, 1\), got 1.0"),
+        ({"micro_batch_size": 0}, r"--micro-batch-size must be >= 1, got 0"),
+        ({"dp_replicate_size": 0}, r"--dp-replicate-size must be >= 1, got 0"),
+        ({"param_dtype": "float16"}, r"--param-dtype 'float16' is not a valid choice"),
+    ],
+)
+def test_settings_the_backend_cannot_honour_raise_naming_the_flag(settings, message):
+    with pytest.raises(ValueError, match=message):
+        FSDPArgs(**settings)
+
+
+def test_flash_attention_on_cpu_is_rejected(monkeypatch):
+    monkeypatch.setenv("MILES_DEVICE", "cpu")
+    get_device_info.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"flash_attention_2 needs a CUDA GPU.*runs on cpu"):
+            FSDPArgs(attn_implementation="flash_attention_2")
+    finally:
+        get_device_info.cache_clear()
+
+
+def test_hybrid_shard_replicas_must_divide_the_world():
+    validate_hybrid_shard_args(8, 2)
+    validate_hybrid_shard_args(8, 1)
+    with pytest.raises(
+        ValueError, match=r"--dp-replicate-size \(3\) .* \(8\).*use one of \[1, 2, 4, 8\]"
+    ):
+        validate_hybrid_shard_args(8, 3)
+    with pytest.raises(ValueError, match=r"--dp-replicate-size \(0\)"):
+        validate_hybrid_shard_args(8, 0)
