@@ -11,3 +11,10 @@ def test_imports_into_the_shared_namespace_without_initialising_a_gpu():
     assert module.__doc__ and "miles-fsdp" in module.__doc__
     torch = sys.modules.get("torch")
     assert torch is None or not torch.cuda.is_initialized()
+
+
+def test_core_finds_the_fsdp_backend_through_its_entry_point():
+    from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+    from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
+
+    assert load_plugin(TRAIN_BACKENDS, "fsdp") is FSDPTrainRayActor

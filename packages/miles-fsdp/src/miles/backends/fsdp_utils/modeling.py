@@ -1,0 +1,146 @@
+"""The FSDP2 model: built from a Hugging Face checkpoint read by rank 0 alone, sharded per
+decoder layer, and run on packed micro-batches whose documents never attend to each other
+(a block-diagonal causal mask for sdpa and eager, restarting position ids for flash attention).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from miles.backends.fsdp_utils.precision import PrecisionPolicy
+from miles.backends.training_utils.packing import PackedBatch, attention_mask_from_cu_seqlens
+
+logger = logging.getLogger(__name__)
+
+
+def build_fsdp_model(
+    hf_checkpoint: str | Path,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    precision: PrecisionPolicy,
+    attn_implementation: str,
+    cpu_offload: bool,
+    gradient_checkpointing: bool,
+    trainable: bool = True,
+) -> nn.Module:
+    """Load the checkpoint on rank 0, shard it over `mesh`, and give every rank its shards.
+
+    Order as in torchtitan: activation checkpointing is set on the layers before they become
+    FSDP units; each decoder layer is its own unit (one all-gather per layer, overlapped with
+    compute) and the root takes the rest (embeddings, final norm, a tied lm_head), so tied
+    weights live in one unit and stay one parameter.
+    """
+    rank = dist.get_rank()
+    config = AutoConfig.from_pretrained(hf_checkpoint)
+    full_state: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(
+            hf_checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+        full_state = model.state_dict()
+    else:
+        # Same architecture, no memory: rank 0's weights arrive after sharding.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=attn_implementation
+            )
+    model.config.use_cache = False
+    if gradient_checkpointing and trainable:
+        # Non-reentrant: it composes with FSDP2's autograd hooks (the reentrant one does not).
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    options = {"mesh": mesh, "mp_policy": precision.mixed_precision(), "offload_policy": offload}
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    _load_full_state(model, full_state, device=device, cpu_offload=cpu_offload)
+    _check_tied(model)
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, by the class names transformers marks as unsplittable."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules; the FSDP "
+            "backend shards per decoder layer and cannot find them"
+        )
+    return layers
+
+
+def _load_full_state(
+    model: nn.Module, full_state: dict, *, device: torch.device, cpu_offload: bool
+) -> None:
+    """Materialise the shards and fill them from rank 0's full state dict (a broadcast)."""
+    if dist.get_rank() == 0:
+        model.to(device)
+    else:
+        model.to_empty(device=device)
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, cpu_offload=cpu_offload
+    )
+    set_model_state_dict(model, full_state, options=options)
+    # Non-persistent buffers (rotary frequencies) are not in the state dict: after to_empty they
+    # hold garbage everywhere but on rank 0.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    if cpu_offload:
+        model.to("cpu")  # FSDP keeps offloaded shards in host memory; buffers stay on device
+        for buffer in model.buffers():
+            buffer.data = buffer.data.to(device)
+
+
+def _check_tied(model: nn.Module) -> None:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    output, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert output is None or output.weight is embed.weight, "sharding untied the embeddings"
+
+
+# -- forward on packed micro-batches -----------------------------------------------------------
+
+
+def packed_logits(
+    model: nn.Module, packed: PackedBatch, *, attn_implementation: str, device: torch.device
+) -> torch.Tensor:
+    """(T, V) logits of a packed row, each document attending only to itself.
+
+    flash_attention_2 finds document boundaries in the restarting position ids (varlen kernels,
+    as transformers does); sdpa and eager get a 4-D block-diagonal causal mask: boolean for sdpa,
+    additive for eager, which adds the mask to the scores.
+    """
+    input_ids = packed.input_ids.to(device)  # (1, T)
+    position_ids = packed.position_ids.to(device)  # (1, T)
+    kwargs: dict[str, torch.Tensor] = {}
+    if attn_implementation != "flash_attention_2":
+        allowed = attention_mask_from_cu_seqlens(packed.cu_seqlens, packed.total_length)  # (T, T)
+        mask = allowed[None, None].to(device)  # (1, 1, T, T)
+        if attn_implementation == "eager":
+            blocked = torch.finfo(torch.float32).min
+            mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, blocked)
+        kwargs["attention_mask"] = mask
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+    return out.logits[0]  # (T, V)
+
+
+def response_positions(packed: PackedBatch) -> torch.Tensor:
+    """(sum R,) long: positions whose logits predict response tokens, documents in order."""
+    pieces = [torch.arange(begin, end) for begin, end in packed.response_slices]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)

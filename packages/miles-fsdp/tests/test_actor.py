@@ -1,0 +1,343 @@
+"""FSDPTrainRayActor on real gloo groups: exact gradients under every mesh shape, packing that
+never attends across documents, the resume / sleep / export life cycle, and refused flags."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .distributed import run_distributed
+
+GLOBAL_BATCH = 8
+SAMPLES = 16  # two optimizer steps per rollout
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(path, seed=seed)
+
+
+def make_args(checkpoint: Path, *, loss: dict | None = None, **fsdp: object) -> SimpleNamespace:
+    """The namespace FSDPTrainRayActor.init reads; `fsdp` overrides FSDPArgs fields."""
+    from miles.backends.fsdp_utils.arguments import FSDPArgs
+    from miles.backends.training_utils.loss_config import LossConfig
+
+    settings = {"lr": 1e-3, "clip_grad": 0.05, "micro_batch_size": 1, "seed": 0}
+    settings.update(fsdp)
+    return SimpleNamespace(
+        hf_checkpoint=str(checkpoint),
+        fsdp=FSDPArgs(**settings),
+        loss=LossConfig(**(loss or {})),
+        rollout_temperature=0.8,
+        global_batch_size=GLOBAL_BATCH,
+        n_samples_per_prompt=4,
+        save=None,
+        load=None,
+        engine_urls=[],
+        colocate=True,
+    )
+
+
+def make_batch(num_samples: int = SAMPLES, seed: int = 0) -> dict[str, list]:
+    """Random documents of uneven length, some response tokens masked out."""
+    rng = random.Random(seed)
+    batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
+    batch.update(loss_masks=[], rewards=[])
+    for _ in range(num_samples):
+        prompt, response = rng.randint(2, 7), rng.randint(2, 8)
+        tokens = [rng.randrange(256) for _ in range(prompt + response)]
+        mask = [1] * response
+        mask[rng.randrange(response)] = rng.choice([0, 1])
+        batch["tokens"].append(tokens)
+        batch["response_lengths"].append(response)
+        batch["total_lengths"].append(len(tokens))
+        batch["loss_masks"].append(mask)
+        batch["rewards"].append(rng.uniform(-1, 1))
+    return batch
+
+
+def make_actor(rank: int, world_size: int, args: SimpleNamespace, with_ref: bool = False):
+    from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+
+    # The test harness already formed the group; setup_distributed keeps it.
+    actor = FSDPTrainRayActor(rank, world_size, "127.0.0.1", free_port())
+    start = actor.init(args, "actor", with_ref)
+    return actor, start
+
+
+def local_shard(batch: dict, rank: int, world_size: int) -> dict:
+    """Round-robin rows, so global step s is rows [s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)."""
+    from miles.backends.training_utils.data import get_rollout_data
+
+    return get_rollout_data(batch, rank, world_size, balance=False)
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+# -- single-process reference ------------------------------------------------------------------
+
+
+def sample_log_probs(model, tokens: list[int], response_length: int, temperature: float):
+    """Log-probs of one document's response, from an unpacked forward."""
+    from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+
+    ids = torch.tensor([tokens])
+    logits = model(input_ids=ids).logits[0]  # (L, V)
+    end = len(tokens) - 1
+    positions = torch.arange(end - response_length, end)
+    return get_log_probs_and_entropy(
+        logits[positions], ids[0, positions + 1], temperature=temperature
+    )
+
+
+def reference_training(args: SimpleNamespace, batch: dict) -> tuple[list[dict], list[float], dict]:
+    """Plain transformers, one unpacked document at a time: grads per step, norms, final params."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.training_utils.advantages import compute_advantages_and_returns
+    from miles.backends.training_utils.loss import LossNormalizer, loss_function
+
+    fsdp, temperature = args.fsdp, args.rollout_temperature
+    model = AutoModelForCausalLM.from_pretrained(
+        args.hf_checkpoint, dtype=torch.float32, attn_implementation=fsdp.attn_implementation
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=fsdp.lr, betas=(fsdp.adam_beta1, fsdp.adam_beta2),
+        eps=fsdp.adam_eps, weight_decay=fsdp.weight_decay,
+    )  # fmt: skip
+    batch = dict(batch)
+    documents = list(zip(batch["tokens"], batch["response_lengths"], strict=True))
+    with torch.no_grad():
+        old = [sample_log_probs(model, t, r, temperature)[0] for t, r in documents]
+    batch["log_probs"], batch["ref_log_probs"] = old, old  # the reference model is the start
+    compute_advantages_and_returns(batch, args.loss, group=None)
+    grads, norms = [], []
+    for step in range(len(batch["tokens"]) // GLOBAL_BATCH):
+        rows = range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        tokens = sum(sum(batch["loss_masks"][i]) for i in rows)
+        normalizer = LossNormalizer(num_samples=GLOBAL_BATCH, num_tokens=tokens, dp_size=1)
+        for i in rows:
+            log_probs, entropy = sample_log_probs(model, *documents[i], temperature)
+            inputs = {
+                "log_probs": log_probs,
+                "entropy": entropy,
+                "response_lengths": [documents[i][1]],
+                "loss_mask": torch.tensor(batch["loss_masks"][i], dtype=torch.float32),
+                "old_log_probs": old[i],
+                "advantages": batch["advantages"][i],
+                "ref_log_probs": old[i],
+            }
+            loss, _ = loss_function(inputs, args.loss, normalizer)
+            loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.clip_grad)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# -- gradients and optimizer steps under every mesh --------------------------------------------
+
+MESH_CASES = [
+    # (dp_replicate x dp_shard on 4 ranks, FSDPArgs overrides, LossConfig overrides)
+    (1, {}, {"use_kl_loss": True, "kl_loss_coef": 0.5}),
+    (2, {"gradient_checkpointing": True}, {"loss_reduction": "token_mean"}),
+    (
+        4,
+        {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24,
+         "attn_implementation": "eager"},
+        {"eps_clip": 0.1},
+    ),
+]  # fmt: skip
+
+
+def _train_under_meshes(rank: int, checkpoint: Path) -> list[dict]:
+    """Every mesh in one set of processes (a launch costs more than a training run here)."""
+    batch, results = make_batch(), []
+    for replicate, fsdp, loss in MESH_CASES:
+        args = make_args(checkpoint, loss=loss, dp_replicate_size=replicate, **fsdp)
+        actor, _ = make_actor(rank, 4, args, with_ref=loss.get("use_kl_loss", False))
+        captured = capture_full_grads(actor)
+        metrics = actor.train(0, local_shard(batch, rank, 4))
+        params = full_params(actor.model)
+        if rank != 0:
+            results.append({})
+            continue
+        ref_grads, ref_norms, ref_params = reference_training(args, batch)
+        results.append(
+            {
+                "mesh": tuple(actor.model.model.embed_tokens.weight.device_mesh.shape),
+                "norms": [m["train/grad_norm"] for m in metrics],
+                "ref_norms": ref_norms,
+                "grad_diff": [_max_rel_diff(c, r) for c, r in zip(captured, ref_grads, strict=True)],
+                "param_diff": _max_rel_diff(params, ref_params),
+            }
+        )  # fmt: skip
+    return results
+
+
+def capture_full_grads(actor) -> list[dict[str, torch.Tensor]]:
+    """Full gradients seen by each optimizer step (after clipping), appended as steps run."""
+    names = {id(p): n for n, p in actor.model.named_parameters()}
+    captured: list[dict[str, torch.Tensor]] = []
+
+    def capture(optimizer, *_):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        captured.append({names[id(p)]: p.grad.full_tensor() for p in params})
+
+    actor.optimizer.register_step_pre_hook(capture)
+    return captured
+
+
+def _max_rel_diff(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys(), f"parameter names differ: {got.keys() ^ want.keys()}"
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12)) for k in want
+    )
+
+
+def test_gradients_and_steps_under_every_mesh_equal_a_single_process_reference(tmp_path):
+    checkpoint = build_checkpoint(tmp_path / "ckpt")
+    rank0 = run_distributed(_train_under_meshes, 4, checkpoint, timeout_s=240)[0]
+    meshes = [case["mesh"] for case in rank0]
+    assert meshes == [(4,), (2, 2), (4, 1)]
+    for case in rank0:
+        # Clipping is active (the norm exceeds --clip-grad), so the full-norm clip is tested too.
+        assert min(case["ref_norms"]) > 0.05
+        torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-4, atol=0)
+        assert max(case["grad_diff"]) < 1e-4, case
+        assert case["param_diff"] < 1e-4, case
+
+
+# -- packing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_logits_equal_per_document_logits(tmp_path, attn_implementation):
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.modeling import packed_logits
+    from miles.backends.training_utils.packing import pack_sequences
+
+    checkpoint = build_checkpoint(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    docs = make_batch(4, seed=3)
+    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_masks"], 8)
+    with torch.no_grad():
+        logits = packed_logits(
+            model, packed, attn_implementation=attn_implementation, device=torch.device("cpu")
+        )  # (T, V)
+        for i, tokens in enumerate(docs["tokens"]):
+            alone = model(input_ids=torch.tensor([tokens])).logits[0]  # (L, V)
+            start, end = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
+            torch.testing.assert_close(logits[start:end], alone, rtol=1e-5, atol=1e-5)
+        # The mask is what keeps documents apart: a plain causal row leaks across them.
+        leaky = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[0]
+        assert (leaky - logits).abs().max() > 1e-3
+
+
+# -- refused flags ---------------------------------------------------------------------------
+
+REFUSED = [
+    # (FSDPArgs overrides, LossConfig overrides, role, the flag the error must name)
+    ({"lora_rank": 8}, {}, "actor", "--lora-rank"),
+    ({"context_parallel_size": 2}, {}, "actor", "--context-parallel-size"),
+    ({"attn_implementation": "flash_attention_2"}, {}, "actor", "--attn-implementation"),
+    ({"fsdp_cpu_offload": True}, {}, "actor", "--fsdp-cpu-offload"),
+    ({"use_critic": True}, {}, "actor", "--use-critic"),
+    ({}, {}, "critic", "role 'critic'"),
+    ({}, {"advantage_estimator": "ppo"}, "actor", "--advantage-estimator ppo"),
+    ({"use_rollout_logprobs": True}, {"off_policy_correction": "tis"}, "actor", "--use-rollout-logprobs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fsdp", "loss", "role", "flag"), REFUSED)
+def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
+    tmp_path, monkeypatch, fsdp, loss, role, flag
+):
+    from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+    from miles.backends.training_utils.device import get_device_info
+
+    monkeypatch.setenv("MILES_DEVICE", "cpu")
+    get_device_info.cache_clear()
+    actor = FSDPTrainRayActor(0, 1, "127.0.0.1", free_port())
+    # Refused either where FSDPArgs is built or in init, before any process group forms.
+    with pytest.raises(ValueError, match=flag.replace("-", r"\-")):
+        actor.init(make_args(tmp_path, loss=loss, **fsdp), role, False)
+    get_device_info.cache_clear()
+
+
+# -- life cycle: resume, sleep / wake-up, export, data checks -------------------------------------
+
+
+def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    args = make_args(checkpoint, use_rollout_logprobs=True)
+    args.save = str(save_dir)
+    actor, start = make_actor(rank, 2, args)
+    batch = make_batch(SAMPLES)
+    batch["rollout_log_probs"] = [[-1.0] * r for r in batch["response_lengths"]]
+    actor.train(0, local_shard(batch, rank, 2))
+    actor.save_model(0)
+    saved = full_params(actor.model)
+
+    actor.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        actor.train(1, local_shard(batch, rank, 2))
+    actor.wake_up()
+    asleep_kept = all(torch.equal(saved[n], p) for n, p in full_params(actor.model).items())
+    actor.train(1, local_shard(batch, rank, 2))  # moves away from the checkpoint
+    with pytest.raises(TypeError, match="RolloutBatch"):
+        actor.train(2, [batch])
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        actor.train(2, local_shard(make_batch(6), rank, 2))
+
+    args.load = str(save_dir)
+    resumed, resumed_start = make_actor(rank, 2, args)
+    restored = all(torch.equal(saved[n], p) for n, p in full_params(resumed.model).items())
+    resumed.export_hf(export_dir)
+    exported = {}
+    if rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        exported = {n: p.detach() for n, p in model.named_parameters()}
+    return {
+        "start": start,
+        "resumed_start": resumed_start,
+        "asleep_kept": asleep_kept,
+        "restored": restored,
+        "weight_version": resumed.weight_version,
+        "export_matches": all(torch.equal(saved[n], exported[n]) for n in exported)
+        and len(exported) == len(saved),
+        "tied": resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight,
+    }
+
+
+def test_resume_sleep_and_export_keep_the_trained_weights(tmp_path):
+    checkpoint = build_checkpoint(tmp_path / "ckpt")
+    results = run_distributed(
+        _life_cycle, 2, checkpoint, tmp_path / "save", tmp_path / "export", timeout_s=240
+    )
+    for rank, result in enumerate(results):
+        assert result["start"] == 0
+        assert result["resumed_start"] == 1, "the next rollout after the saved rollout 0"
+        assert result["asleep_kept"], f"rank {rank}: sleep / wake_up changed the weights"
+        assert result["restored"], f"rank {rank}: resuming did not restore the saved weights"
+        assert result["tied"], "tied embeddings must stay one parameter"
+    assert results[0]["export_matches"], "the HF export differs from the trained weights"
