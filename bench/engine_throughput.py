@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +21,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
+from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 
@@ -37,35 +33,8 @@ def _workload(count: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_engine(model_path: Path, workload) -> float:
-    port = _free_port()
-    script = Path(sys.prefix) / "bin" / "miles-reference-engine"
-    process = subprocess.Popen(
-        [
-            str(script),
-            "--model-path",
-            str(model_path),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with launch_reference_engine(model_path) as url:
 
         async def send_all() -> float:
             async with httpx.AsyncClient(
@@ -91,9 +60,6 @@ def run_engine(model_path: Path, workload) -> float:
                 return time.perf_counter() - start
 
         return asyncio.run(send_all())
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
 
 
 def run_generate(model_path: Path, workload) -> float:

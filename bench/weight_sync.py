@@ -11,20 +11,15 @@ group with the engine (`/update_weights_from_distributed`, disaggregated). The c
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
 from miles.backends.sglang_utils.client import SyncEngineClient
+from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.backends.sglang_utils.weight_sync import DistributedWeightSender, TensorWeightSender
 
@@ -33,32 +28,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _start_engine(model_path: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    script = Path(sys.prefix) / "bin" / "miles-reference-engine"
-    process = subprocess.Popen(
-        [
-            str(script),
-            "--model-path",
-            str(model_path),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise TimeoutError("engine did not start")
 
 
 def _best(fn, repeats: int) -> float:
@@ -102,9 +71,7 @@ def main() -> None:
                 buffer[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
 
-        process, url = _start_engine(path)
-        client = SyncEngineClient(url)
-        try:
+        with launch_reference_engine(path) as url, SyncEngineClient(url) as client:
             tensor_sender = TensorWeightSender([client], max_bytes=max_bytes, dtype=torch.float32)
             results = {"memory copy (floor)": _best(copy, args.repeats)}
             results["update_weights_from_tensor"] = _best(
@@ -126,10 +93,6 @@ def main() -> None:
                 )
             finally:
                 sender.close()
-        finally:
-            client.close()
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
     print(f"{'transport':<34} {'seconds':>9} {'GB/s':>8}")
     for name, seconds in results.items():
         print(f"{name:<34} {seconds:>9.3f} {total_bytes / seconds / 1e9:>8.2f}")
