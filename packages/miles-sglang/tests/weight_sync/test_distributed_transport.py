@@ -82,6 +82,40 @@ def test_group_works_beside_an_existing_default_group():
     assert results == [(3.0, [7.0] * 3), (3.0, [7.0] * 3)]
 
 
+def _sglang_style_join(rank: int, port: int) -> list:
+    """Rank 0 is ours; rank 1 joins as SGLang's `init_custom_process_group` does (its code path)."""
+    if rank == 0:
+        group = create_weight_update_group(
+            master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+            group_name="sglang-compat", backend="gloo", timeout_s=30,
+        )  # fmt: skip
+        broadcast_tensors(group, _bucket())
+        group.destroy()
+        return _as_lists(_bucket())
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=30)
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore("sglang-compat", store)
+    pg, _ = _new_process_group_helper(
+        2, 1, [], "gloo", store, group_name="sglang-compat", timeout=timeout
+    )
+    received = [(n, torch.empty_like(t)) for n, t in _bucket()]
+    for _, tensor in received:
+        pg.broadcast([tensor]).wait()
+    return _as_lists(received)
+
+
+def test_an_engine_joining_the_way_sglang_does_meets_our_rank_0():
+    sent, received = run_processes(_sglang_style_join, 2, free_port())
+    assert received == sent
+
+
 def test_single_rank_group_forms_alone_and_refuses_use_after_destroy():
     group = create_weight_update_group(
         master_address="127.0.0.1", master_port=free_port(), rank=0, world_size=1,

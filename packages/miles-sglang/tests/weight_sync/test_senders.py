@@ -246,18 +246,18 @@ def test_engine_refusing_a_bucket_is_raised_at_once_not_after_the_group_timeout(
         ):
             sender.send(_model(1).state_dict().items(), weight_version="1")
         assert time.monotonic() - start < 10
+        with pytest.raises(RuntimeError, match="failed midway; call close\\(\\) and connect\\(\\)"):
+            sender.send(_model(1).state_dict().items(), weight_version="2")
         sender.close()
 
 
-def test_engine_refusing_to_join_is_raised_at_once():
+def test_engine_refusing_to_join_is_raised_with_its_message_when_the_rendezvous_gives_up():
     with engine_processes(1, refuse="init_weights_update_group") as engines:
-        sender = _sender(engines, timeout_s=5)
-        start = time.monotonic()
+        sender = _sender(engines, timeout_s=2)
         with pytest.raises(
             WeightSyncError, match="engine refuses init_weights_update_group"
         ) as info:
             sender.connect()
-        assert time.monotonic() - start < 4
         assert info.value.engine_messages == {0: "engine refuses init_weights_update_group"}
-        with pytest.raises(RuntimeError, match="call connect\\(\\) first"):
+        with pytest.raises(RuntimeError, match=r"call connect\(\) first"):
             sender.send([("w", torch.ones(1))], weight_version="1")

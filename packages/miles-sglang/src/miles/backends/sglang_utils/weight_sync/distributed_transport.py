@@ -1,9 +1,8 @@
 """Disaggregated weight hand-over: a broadcast group between trainer rank 0 and the engines.
 
-The group is built from its own TCPStore and a backend constructed directly, never through
-`dist.init_process_group`: trainer and engine may each already own a default group. Store keys are
-laid out as torch's `_new_process_group_helper` lays them out (`<group>/<device>/`), the helper
-SGLang's `init_custom_process_group` uses, so a real SGLang engine meets us in the same namespace.
+Built from its own TCPStore and a directly constructed backend, never `dist.init_process_group`
+(either side may own a default group). Store keys are nested as SGLang's own
+`init_custom_process_group` nests them, so a real SGLang engine can join the same group.
 """
 
 from __future__ import annotations
@@ -90,9 +89,7 @@ def create_weight_update_group(
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
-    prefixed = dist.PrefixStore(
-        f"{_STORE_DEVICE[backend]}/", dist.PrefixStore(f"{group_name}/", store)
-    )
+    prefixed = _backend_store(store, group_name, backend)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
@@ -100,6 +97,17 @@ def create_weight_update_group(
     return WeightUpdateGroup(
         store=store, backend=pg, rank=rank, world_size=world_size, name=group_name
     )
+
+
+def _backend_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
+    """The store view a backend of this group reads and writes, nested as SGLang's side nests it.
+
+    SGLang's `init_custom_process_group` prefixes the rendezvous store with the group name, then
+    torch's `_new_process_group_helper` adds "<group>/" and "<device>/" (the backend's first
+    capable device); an engine using it looks up exactly these keys.
+    """
+    by_group = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    return dist.PrefixStore(f"{_STORE_DEVICE[backend]}/", by_group)
 
 
 def _nccl_backend(store, rank: int, world_size: int, timeout, group_name: str):

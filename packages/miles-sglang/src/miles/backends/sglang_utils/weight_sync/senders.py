@@ -75,9 +75,11 @@ class WeightSyncClient(Protocol):
 class TensorWeightSender:
     """Colocated: hand each bucket to every engine through shared memory / CUDA IPC handles.
 
-    `load_format="flattened_bucket"` packs a bucket into one tensor per dtype (one handle per dtype
-    instead of one per tensor); `None` sends SGLang's plain list of named tensors. Each engine gets
-    a one-entry `serialized_named_tensors` list: one tensor-parallel rank per engine.
+    `None` (the default) sends SGLang's plain list of named tensors, which real SGLang servers and
+    the reference engine both read. `load_format="flattened_bucket"` packs a bucket into one
+    tensor per dtype (one handle per dtype instead of one per tensor) in miles's own layout,
+    which only the reference engine reads. Each engine gets a one-entry `serialized_named_tensors`
+    list: one tensor-parallel rank per engine.
     """
 
     def __init__(
@@ -86,7 +88,7 @@ class TensorWeightSender:
         *,
         max_bytes: int,
         dtype: torch.dtype | None,
-        load_format: Literal[None, "flattened_bucket"] = "flattened_bucket",
+        load_format: Literal[None, "flattened_bucket"] = None,
     ):
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(
@@ -154,6 +156,7 @@ class DistributedWeightSender:
         self._group_name, self._backend, self._timeout_s = group_name, backend, timeout_s
         self._max_bytes, self._dtype = max_bytes, dtype
         self._group: WeightUpdateGroup | None = None
+        self._out_of_step = False  # a send failed midway: the engines wait on other collectives
 
     @property
     def world_size(self) -> int:
@@ -162,30 +165,34 @@ class DistributedWeightSender:
     def connect(self) -> None:
         """Form the group: every engine joins over HTTP while this process joins as rank 0.
 
-        Runs concurrently because each side blocks until all ranks arrive. An engine's refusal is
-        raised at once, not after the rendezvous timeout.
+        Both sides block until all ranks arrive, so the HTTP calls run in threads. Rank 0 joins in
+        this thread, as slime does: a thread left blocked in the C++ rendezvous would abort the
+        interpreter if it woke during exit. So an engine that refuses is logged at once but raised
+        only when the rendezvous gives up (`timeout_s`), with the engine's message.
         """
         if self._group is not None:
             raise RuntimeError(f"weight update group {self._group_name!r} is already connected")
         where = {"master_address": self._master_address, "master_port": self._master_port}
         common = {**where, "world_size": self.world_size, "group_name": self._group_name,
                   "backend": self._backend}  # fmt: skip
-        group = _start(create_weight_update_group, **common, rank=0, timeout_s=self._timeout_s)
         joins = [
-            _start(
-                _call, index, client, "init_weights_update_group", **common, rank_offset=1 + index
-            )
-            for index, client in enumerate(self._clients)
+            _start(_call, i, client, "init_weights_update_group", **common, rank_offset=1 + i)
+            for i, client in enumerate(self._clients)
         ]
         try:
-            _wait_fail_fast(
-                [group, *joins], [], f"{len(self._clients)} engines to join {self._group_name!r}"
-            )
-        except BaseException:
-            if group.done() and group.exception() is None:
-                group.result().destroy()
+            group = create_weight_update_group(**common, rank=0, timeout_s=self._timeout_s)
+        except Exception as err:
+            wait(joins, timeout=_POLL_S)  # an engine's reason beats our rendezvous timeout
+            refusals = [f.exception() for f in joins if f.done() and f.exception()]
+            if refusals:
+                raise refusals[0] from err
             raise
-        self._group = group.result()
+        try:
+            _wait_all(joins, "init_weights_update_group")
+        except BaseException:
+            group.destroy()
+            raise
+        self._group = group
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> int:
         """Broadcast every tensor, bucket by bucket; return the number of buckets.
@@ -196,13 +203,19 @@ class DistributedWeightSender:
             raise RuntimeError(
                 "DistributedWeightSender.send() before connect(); call connect() first"
             )
+        if self._out_of_step:
+            raise RuntimeError(
+                f"an earlier send on {self._group_name!r} failed midway; call close() and connect()"
+            )
         start, count, nbytes = time.monotonic(), 0, 0
         buckets = iter_buckets_with_last(
             named_tensors, max_bytes=self._max_bytes, dtype=self._dtype
         )
         for bucket, is_last in buckets:
             nbytes += _nbytes(bucket)
+            self._out_of_step = True  # until this bucket is through on every rank
             self._send_bucket(self._group, bucket, is_last=is_last, weight_version=weight_version)
+            self._out_of_step = False
             count += 1
             del bucket  # before the next bucket is gathered: one bucket in memory at a time
         _check_sent(count)
@@ -229,6 +242,7 @@ class DistributedWeightSender:
     def close(self) -> None:
         """Destroy the group on every engine and here (idempotent)."""
         group, self._group = self._group, None
+        self._out_of_step = False
         if group is None:
             return
         calls = _start_all(
@@ -262,17 +276,24 @@ def _call(index: int, client: WeightSyncClient, action: str, **kwargs: Any) -> d
         response = getattr(client, action)(**kwargs)
     except Exception as err:
         message = f"{type(err).__name__}: {err}"
+        logger.warning("engine %d failed %s: %s", index, action, message)
         raise WeightSyncError(
             f"engine {index} failed {action}: {message}", {index: message}
         ) from err
     if not isinstance(response, dict) or response.get("success") is not True:
         message = response.get("message", "") if isinstance(response, dict) else repr(response)
+        # Logged here too: the caller may be blocked in a collective that only times out later.
+        logger.warning("engine %d refused %s: %s", index, action, message)
         raise WeightSyncError(f"engine {index} refused {action}: {message}", {index: str(message)})
     return response
 
 
 def _start(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-    """Run `fn` in a daemon thread: a call stuck in a rendezvous never blocks interpreter exit."""
+    """Run `fn` in a daemon thread, so an engine call stuck on a dead engine never blocks exit.
+
+    Only for Python-level calls (HTTP): a daemon thread blocked in C++ (a rendezvous, a
+    collective) aborts the interpreter if it wakes during exit.
+    """
     future: Future = Future()
 
     def run() -> None:

@@ -1,9 +1,8 @@
-"""Colocated weight hand-over (`/update_weights_from_tensor`): tensors travel by shared memory.
+"""Colocated weight hand-over (`/update_weights_from_tensor`): only handles travel, not data.
 
-A payload is a base64 string of a pickle that holds only handles, never tensor data: CPU tensors
-become named /dev/shm segments (torch's `file_system` sharing, which any process on the host can
-open, unlike `file_descriptor` handles that only survive a fork), CUDA tensors become CUDA IPC
-handles. The receiver unpickles with an allow-list, since the payload arrives over HTTP.
+CPU tensors become named /dev/shm segments (torch's `file_system` sharing: any process on the host
+opens them by name, unlike `file_descriptor` handles), CUDA tensors become CUDA IPC handles. The
+receiver unpickles with an allow-list, since the payload arrives over HTTP.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ _ALLOWED_GLOBALS = {
     ("torch", "Size"),
     ("torch", "UntypedStorage"),
     ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),  # CUDA IPC names the tensor's typed storage class
 }
 _FLATTENED_KEYS = {"flat", "metadata"}
 
@@ -66,7 +66,9 @@ def serialize_named_tensors(named_tensors: Iterable[tuple[str, Tensor]]) -> str:
     """An ascii payload holding handles to `named_tensors` (SGLang's plain list-of-pairs form).
 
     The payload is single-use: deserialize it exactly once, and keep the tensors (or the process
-    that shared them) alive until the receiver has loaded them.
+    that shared them) alive until the receiver has loaded them. A segment is unlinked when sender
+    and receiver have both dropped it; a receiver that exits still holding it leaves it until the
+    sender's process ends (torch_shm_manager removes it then).
     """
     return _dumps([(str(name), share_tensor(tensor)) for name, tensor in named_tensors])
 
