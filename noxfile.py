@@ -186,6 +186,8 @@ def build(session: nox.Session, device: str) -> None:
             str(out),
             "--constraint",
             str(out / CONSTRAINTS),
+            # Every build makes new wheels under the same version: never reuse uv's cached ones.
+            *(arg for name in spec for arg in ("--refresh-package", name)),
             *requested,
         )
         modules = sorted({m for name in PACKAGES for m in packages()[name].modules})
