@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 # How often a wait on engines re-checks for a failure, and how often it logs that it is waiting.
 _POLL_S = 0.05
 _LOG_EVERY_S = 30.0
+# After a failed rendezvous, how long to wait for an engine's refusal to explain it.
+_REFUSAL_GRACE_S = 10.0
 
 
 class WeightSyncError(RuntimeError):
@@ -182,7 +184,8 @@ class DistributedWeightSender:
         try:
             group = create_weight_update_group(**common, rank=0, timeout_s=self._timeout_s)
         except Exception as err:
-            wait(joins, timeout=_POLL_S)  # an engine's reason beats our rendezvous timeout
+            # An engine's reason beats our rendezvous timeout; its answer may lag under load.
+            wait(joins, timeout=_REFUSAL_GRACE_S, return_when=FIRST_EXCEPTION)
             refusals = [f.exception() for f in joins if f.done() and f.exception()]
             if refusals:
                 raise refusals[0] from err
