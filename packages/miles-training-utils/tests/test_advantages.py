@@ -16,8 +16,7 @@ from miles.backends.training_utils.advantages import (
     shape_rewards,
 )
 from miles.backends.training_utils.loss_config import LossConfig
-
-from .distributed import run_distributed
+from miles.backends.training_utils.testing import run_distributed
 
 
 def _ref_shape(rewards, group_size, estimator):

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.loss import LossNormalizer, loss_function
 from miles.backends.training_utils.loss_config import LossConfig
-
-from .distributed import run_distributed
+from miles.backends.training_utils.testing import run_distributed
 
 VOCAB, HIDDEN, NUM_SAMPLES = 13, 8, 8
 MODES = {

@@ -15,8 +15,7 @@ from miles.backends.training_utils.parallel import (
     set_parallel_state,
     single_process_parallel_state,
 )
-
-from .distributed import run_distributed
+from miles.backends.training_utils.testing import run_distributed
 
 
 class _StandInGroup:
