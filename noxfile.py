@@ -211,3 +211,9 @@ def e2e(session: nox.Session) -> None:
     """Cross-package runs (tests/e2e) and repository checks (tests/tools), every wheel installed."""
     uv_sync(session, "--all-packages", "--no-default-groups", "--group", "test", "--group", "lint")
     session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session(python=False)
+def changed_packages(session: nox.Session) -> None:
+    """Packages a change touches plus their dependents: `nox -s changed_packages -- --base REV`."""
+    session.run("python", "tools/changed_packages.py", *session.posargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
@@ -85,12 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", help="changed files, relative to the repo root")
     parser.add_argument("--base", help="git revision to diff against instead of listing paths")
     parser.add_argument("--json", action="store_true", help="print a JSON list (for CI matrices)")
+    parser.add_argument(
+        "--github-output",
+        metavar="KEY",
+        help="also append KEY=<JSON list> to the file named by $GITHUB_OUTPUT (GitHub Actions)",
+    )
     args = parser.parse_args(argv)
     if args.base and args.paths:
         parser.error("give either --base or paths, not both")
     changed = changed_files(args.base) if args.base else args.paths
     selected = select_packages(changed)
     print(json.dumps(selected) if args.json else "\n".join(selected))
+    if args.github_output:
+        output = os.environ.get("GITHUB_OUTPUT")
+        if not output:
+            parser.error("--github-output needs $GITHUB_OUTPUT (set by GitHub Actions)")
+        with open(output, "a") as f:
+            f.write(f"{args.github_output}={json.dumps(selected)}\n")
     return 0
 
 

@@ -32,3 +32,12 @@ ALL = ["miles", "miles-fsdp", "miles-megatron", "miles-sglang", "miles-training-
 )
 def test_selection(changed, expected):
     assert select_packages(changed) == expected
+
+
+def test_github_output_receives_the_json_list(tmp_path, monkeypatch):
+    from tools.changed_packages import main
+
+    output = tmp_path / "github_output"
+    monkeypatch.setenv("GITHUB_OUTPUT", str(output))
+    assert main(["packages/miles-fsdp/x.py", "--github-output", "packages"]) == 0
+    assert output.read_text() == 'packages=["miles-fsdp"]\n'
