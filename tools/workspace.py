@@ -55,7 +55,8 @@ class Package:
 
     @property
     def modules(self) -> list[str]:
-        """Dotted names of the top packages this wheel owns below the namespace levels."""
+        """Dotted names of the top packages and modules this wheel owns below the namespace
+        levels (`miles.config`, and module files such as `miles.train`)."""
         owned = []
         for level in NAMESPACE_LEVELS:
             level_dir = self.src.joinpath(*level)
@@ -64,6 +65,8 @@ class Package:
             for child in sorted(level_dir.iterdir()):
                 if (child / "__init__.py").is_file():
                     owned.append(".".join((*level, child.name)))
+                elif child.suffix == ".py" and child.name != "__init__.py":
+                    owned.append(".".join((*level, child.stem)))
         return owned
 
 
