@@ -1,0 +1,234 @@
+"""The setting groups that core owns: cluster, engine, training, checkpoint, eval and logging.
+
+Groups owned by a component live next to it (data: `miles.rollout.data_source`, rollout:
+`miles.rollout.generate`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
+and the backend's group comes from its wheel. Each group checks its own fields; checks across groups
+live in `miles.config.schema`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _at_least(value: int | float | None, minimum: int | float, flag: str) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where processes run. On a machine without GPUs, every "GPU" below counts worker devices
+    (one process and one CPU slot each), so the same flags place a run on a laptop."""
+
+    actor_num_nodes: int = 1
+    """Nodes of the training group."""
+    actor_num_gpus_per_node: int = 1
+    """Training ranks per node (GPUs; worker devices on CPU)."""
+    rollout_num_gpus: int | None = None
+    """Devices of all rollout engines together; default: the training devices with --colocate,
+    else --rollout-num-gpus-per-engine (one engine)."""
+    rollout_num_gpus_per_engine: int = 1
+    """Devices of one engine (its tensor-parallel size)."""
+    colocate: bool = False
+    """Trainers and engines share the same devices, taking turns (sleep / wake-up)."""
+    ray_address: str | None = None
+    """Join this Ray cluster (also read from $RAY_ADDRESS) instead of starting a local one."""
+    train_backend: str = "fsdp"
+    """Training backend, from an installed wheel: fsdp (miles-fsdp) or megatron (miles-megatron)."""
+    rollout_engine: Literal["auto", "sglang", "reference"] = "auto"
+    """Inference engine: sglang (GPUs), reference (pure PyTorch, any device); auto picks sglang
+    when it is installed and GPUs are present, else reference."""
+
+    def __post_init__(self) -> None:
+        _at_least(self.actor_num_nodes, 1, "--actor-num-nodes")
+        _at_least(self.actor_num_gpus_per_node, 1, "--actor-num-gpus-per-node")
+        _at_least(self.rollout_num_gpus, 1, "--rollout-num-gpus")
+        _at_least(self.rollout_num_gpus_per_engine, 1, "--rollout-num-gpus-per-engine")
+
+    @property
+    def actor_world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """How rollout engines are started and fronted."""
+
+    rollout_router: Literal["auto", "sglang-router", "builtin"] = "auto"
+    """What spreads requests over several engines: sglang-router (when installed; auto picks it
+    then) or miles's built-in least-loaded balancer."""
+    engine_max_running_requests: int | None = None
+    """Sequences one engine decodes together (SGLang --max-running-requests); None: the
+    engine's default."""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype in the engines; auto: the checkpoint's."""
+    engine_mem_fraction_static: float | None = None
+    """SGLang only: fraction of GPU memory for weights and KV cache."""
+    engine_startup_timeout_s: float = 600.0
+    """How long to wait for every engine to answer /health after launch."""
+    engine_log_dir: str | None = None
+    """Write each engine's output to a file here (default: the run's output directory)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self.engine_max_running_requests, 1, "--engine-max-running-requests")
+        frac = self.engine_mem_fraction_static
+        if frac is not None and not 0 < frac <= 1:
+            raise ValueError(f"--engine-mem-fraction-static must be in (0, 1], got {frac}")
+        if self.engine_startup_timeout_s <= 0:
+            raise ValueError(
+                f"--engine-startup-timeout-s must be positive, got {self.engine_startup_timeout_s}"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """How much to train per rollout and for how long."""
+
+    global_batch_size: int | None = None
+    """Samples per optimizer step; derived from --num-steps-per-rollout when not given."""
+    num_steps_per_rollout: int | None = None
+    """Optimizer steps per rollout; derived from --global-batch-size when not given (both
+    unset: one step per rollout)."""
+    num_rollout: int | None = None
+    """Rollouts (RL iterations) to run; or give --num-epoch."""
+    num_epoch: int | None = None
+    """Passes over --prompt-data; sets --num-rollout from the dataset size."""
+    seed: int = 1234
+    """Seed of the trainer's and the rollout's random number generators."""
+    async_train: bool = False
+    """Overlap generation of the next rollout with training (one step off-policy); needs
+    --off-policy-correction and separate devices (no --colocate)."""
+    debug_rollout_only: bool = False
+    """Generate and score rollouts without training (engines only)."""
+    debug_train_only: bool = False
+    """Train on rollouts saved by --save-debug-rollout-data instead of generating."""
+    save_debug_rollout_data: str | None = None
+    """Save each rollout's train data to this path pattern (with `{rollout_id}`)."""
+    load_debug_rollout_data: str | None = None
+    """Read rollouts from this path pattern (with `{rollout_id}`) for --debug-train-only."""
+    check_weight_sync_tolerance: float | None = 0.1
+    """Step-0 check: the largest allowed mean |trainer - engine| log-prob gap after the first
+    weight update; None skips the check."""
+
+    def __post_init__(self) -> None:
+        _at_least(self.global_batch_size, 1, "--global-batch-size")
+        _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
+        _at_least(self.num_rollout, 1, "--num-rollout")
+        _at_least(self.num_epoch, 1, "--num-epoch")
+        if self.num_rollout is not None and self.num_epoch is not None:
+            raise ValueError(
+                f"--num-rollout ({self.num_rollout}) and --num-epoch ({self.num_epoch}) both set "
+                "the run's length; give one of them"
+            )
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError(
+                "--debug-rollout-only and --debug-train-only exclude each other; pick one"
+            )
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ValueError(
+                "--debug-train-only trains on saved rollouts: set --load-debug-rollout-data to "
+                "the --save-debug-rollout-data pattern of an earlier run"
+            )
+        if self.load_debug_rollout_data and not self.debug_train_only:
+            raise ValueError(
+                "--load-debug-rollout-data is only read with --debug-train-only; add that flag "
+                "or drop this one"
+            )
+        for flag, pattern in (
+            ("--save-debug-rollout-data", self.save_debug_rollout_data),
+            ("--load-debug-rollout-data", self.load_debug_rollout_data),
+        ):
+            if pattern is not None and "{rollout_id}" not in pattern:
+                raise ValueError(
+                    f"{flag} {pattern!r} needs a {{rollout_id}} placeholder, e.g. "
+                    "'runs/debug/rollout_{rollout_id}.pt', so rollouts do not overwrite each other"
+                )
+        tol = self.check_weight_sync_tolerance
+        if tol is not None and tol <= 0:
+            raise ValueError(
+                f"--check-weight-sync-tolerance must be positive, got {tol}; pass none to skip"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """What to load at start and what to save."""
+
+    hf_checkpoint: str
+    """Hugging Face checkpoint directory of the initial policy (weights, config, tokenizer)."""
+    save: str | None = None
+    """Directory for resumable checkpoints (`iter_<N>/` and a `latest` pointer)."""
+    save_interval: int | None = None
+    """Save every this many rollouts (and after the last); needs --save."""
+    load: str | None = None
+    """Resume from the latest checkpoint in this directory (default: --save, if it has one)."""
+
+    def __post_init__(self) -> None:
+        if not self.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is empty; pass a Hugging Face checkpoint directory")
+        _at_least(self.save_interval, 1, "--save-interval")
+        if self.save_interval is not None and not self.save:
+            raise ValueError(
+                f"--save-interval {self.save_interval} has nowhere to write: set --save DIR"
+            )
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation during training."""
+
+    eval_prompt_data: list[str] | None = None
+    """Evaluation datasets as name/path pairs: `--eval-prompt-data gsm8k data/gsm8k_test.jsonl`."""
+    eval_interval: int | None = None
+    """Evaluate every this many rollouts (and before the first and after the last)."""
+    n_samples_per_eval_prompt: int = 1
+    """Answers sampled per evaluation prompt (pass@k uses them)."""
+    eval_max_response_len: int | None = None
+    """Response length limit at evaluation; default: --rollout-max-response-len."""
+    eval_temperature: float | None = None
+    """Sampling temperature at evaluation; default: --rollout-temperature."""
+
+    def __post_init__(self) -> None:
+        _at_least(self.eval_interval, 1, "--eval-interval")
+        _at_least(self.n_samples_per_eval_prompt, 1, "--n-samples-per-eval-prompt")
+        _at_least(self.eval_max_response_len, 1, "--eval-max-response-len")
+        if self.eval_prompt_data is not None and len(self.eval_prompt_data) % 2:
+            raise ValueError(
+                f"--eval-prompt-data takes name/path pairs, got {self.eval_prompt_data}; e.g. "
+                "--eval-prompt-data gsm8k data/gsm8k_test.jsonl"
+            )
+        if self.eval_interval is not None and not self.eval_prompt_data:
+            raise ValueError(
+                f"--eval-interval {self.eval_interval} has nothing to evaluate: set "
+                "--eval-prompt-data NAME PATH"
+            )
+
+    @property
+    def eval_datasets(self) -> dict[str, str]:
+        pairs = self.eval_prompt_data or []
+        return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go."""
+
+    output_dir: str = "runs/miles"
+    """Run directory: metrics.jsonl, TensorBoard events, plots and engine logs."""
+    use_tensorboard: bool = False
+    """Also write TensorBoard events (needs `miles[tensorboard]`)."""
+    use_wandb: bool = False
+    """Also log to Weights & Biases (needs `miles[wandb]`)."""
+    wandb_project: str = "miles"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode; offline writes under the run directory and needs no network (`wandb sync` later)."""
+    wandb_run_name: str | None = None
+    """W&B run name; default: W&B's."""
+    console: Literal["auto", "rich", "plain"] = "auto"
+    """Live console view: rich (a status panel), plain (one log line per rollout), auto: rich
+    on a terminal."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level of miles's loggers."""

@@ -1,0 +1,261 @@
+"""The whole configuration of a run: every group, how they are merged, and the checks across them.
+
+Sources, later wins: dataclass defaults < the YAML file of `--config` < command-line flags. The
+training backend's group comes from the backend's wheel (`config_class` of the class registered under
+`miles.train_backends`), so its flags exist exactly when that backend is chosen. Values derived from
+others (the batch identity of DESIGN §3.3, the run length from epochs) are computed here and only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from miles.backends.training_utils.loss_config import LossConfig
+from miles.config.groups import (
+    CheckpointConfig,
+    ClusterConfig,
+    EngineConfig,
+    EvalConfig,
+    LoggingConfig,
+    TrainingConfig,
+)
+from miles.config.options import Option, dataclass_options
+from miles.ray.placement import plan_placement
+from miles.rollout.data_source import DataSourceConfig
+from miles.rollout.generate import RolloutConfig
+from miles.rollout.rewards import RewardConfig
+from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
+
+CORE_GROUPS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "engine": EngineConfig,
+    "data": DataSourceConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "algorithm": LossConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+}
+"""Group name -> dataclass, in the order of `--help` and the generated reference."""
+
+BACKEND_GROUP = "backend"
+
+
+def backend_config_class(train_backend: str) -> type | None:
+    """The settings dataclass the backend's wheel contributes (None if it has none)."""
+    actor_class = load_plugin(TRAIN_BACKENDS, train_backend)
+    return getattr(actor_class, "config_class", None)
+
+
+@dataclass
+class Schema:
+    """Every option of a run with the groups it configures (core groups, then the backend's)."""
+
+    groups: dict[str, type]
+    options: dict[str, Option] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.options = {}
+        for group, cls in self.groups.items():
+            for option in dataclass_options(cls, group):
+                self.options[option.name] = self._merge(option)
+
+    def _merge(self, option: Option) -> Option:
+        known = self.options.get(option.name)
+        if known is None:
+            return option
+        # One name in two groups is one setting: it must mean the same thing in both.
+        assert known.annotation == option.annotation and known.default == option.default, (
+            f"{option.flag} is declared by groups {known.groups} and {option.groups} with "
+            f"different types or defaults ({known.annotation}={known.default!r} vs "
+            f"{option.annotation}={option.default!r}); make them agree"
+        )
+        return dataclasses.replace(
+            known, groups=known.groups + option.groups, doc=known.doc or option.doc
+        )
+
+    @classmethod
+    def for_backend(cls, train_backend: str | None) -> Schema:
+        groups = dict(CORE_GROUPS)
+        backend_cls = backend_config_class(train_backend) if train_backend else None
+        if backend_cls is not None:
+            groups[BACKEND_GROUP] = backend_cls
+        return cls(groups)
+
+    def unknown(self, name: str, where: str) -> ValueError:
+        """An error for an unknown setting, suggesting the closest known one."""
+        as_flag = name.startswith("--")
+        known = [o.flag if as_flag else o.name for o in self.options.values()]
+        key = name if as_flag else name.replace("-", "_")
+        match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {match[0]!r}?" if match else "; see `miles train --help`"
+        return ValueError(f"unknown setting {name!r} in {where}{hint}")
+
+
+@dataclass(kw_only=True)
+class MilesConfig:
+    """A validated run configuration: one instance of each group, derived values filled in."""
+
+    cluster: ClusterConfig
+    engine: EngineConfig
+    data: DataSourceConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    algorithm: LossConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    logging: LoggingConfig
+    backend: Any = None
+    """The backend's settings object (e.g. FSDPArgs); None for a backend without any."""
+
+    def __post_init__(self) -> None:
+        _derive_batch_identity(self)
+        _check_across_groups(self)
+
+    @classmethod
+    def from_values(cls, schema: Schema, values: dict[str, Any]) -> MilesConfig:
+        """Build every group from flat `values` (name -> converted value); missing -> defaults."""
+        missing = [o.flag for o in schema.options.values() if o.required and o.name not in values]
+        if missing:
+            raise ValueError(
+                f"missing required setting(s) {', '.join(missing)}; pass them as flags or in the "
+                "--config YAML file"
+            )
+        groups = {}
+        for group, group_cls in schema.groups.items():
+            names = {f.name for f in dataclasses.fields(group_cls) if f.init}
+            groups[group] = group_cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**groups)
+
+    def value(self, name: str) -> Any:
+        """The value of setting `name`, from whichever group holds it."""
+        for group in self.groups().values():
+            if group is not None and name in {f.name for f in dataclasses.fields(group)}:
+                return getattr(group, name)
+        raise KeyError(name)
+
+    def groups(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by name (what `miles train` records as the run's config)."""
+        values: dict[str, Any] = {}
+        for group in self.groups().values():
+            if group is not None:
+                values.update(dataclasses.asdict(group))
+        return values
+
+    def actor_args(self) -> SimpleNamespace:
+        """What a training backend's `init(args, ...)` reads: every setting by name, the loss
+        config as `loss`, and the backend's settings under the backend's name (`args.fsdp`)."""
+        args = SimpleNamespace(**self.flat())
+        args.loss = self.algorithm
+        args.backend = self.backend
+        setattr(args, self.cluster.train_backend, self.backend)
+        return args
+
+    @property
+    def ray_address(self) -> str | None:
+        return self.cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+    def resolve_num_rollout(self, dataset_size: int) -> int:
+        """--num-rollout, or the rollouts that cover --num-epoch passes over the prompts."""
+        from miles.rollout.data_source import num_rollouts_for_epochs
+
+        training = self.training
+        if training.num_rollout is None:
+            epochs = training.num_epoch or 1
+            training.num_rollout = num_rollouts_for_epochs(
+                epochs, dataset_size, self.rollout.rollout_batch_size
+            )
+        return training.num_rollout
+
+
+def _derive_batch_identity(config: MilesConfig) -> None:
+    """rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout
+    (DESIGN §3.3); the missing side is derived, a given pair must agree."""
+    rollout, training = config.rollout, config.training
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    where = (
+        f"--rollout-batch-size ({rollout.rollout_batch_size}) x --n-samples-per-prompt "
+        f"({rollout.n_samples_per_prompt}) = {samples} samples per rollout"
+    )
+    gbs, steps = training.global_batch_size, training.num_steps_per_rollout
+    if gbs is None and steps is None:
+        steps = 1
+    if gbs is None:
+        assert steps is not None
+        if samples % steps:
+            raise ValueError(
+                f"{where} cannot be split into --num-steps-per-rollout ({steps}) equal steps; "
+                f"use a divisor of {samples}"
+            )
+        gbs = samples // steps
+    elif steps is None:
+        if samples % gbs:
+            raise ValueError(
+                f"{where} is not a multiple of --global-batch-size ({gbs}); use a divisor of "
+                f"{samples}"
+            )
+        steps = samples // gbs
+    elif gbs * steps != samples:
+        raise ValueError(
+            f"{where}, but --global-batch-size ({gbs}) x --num-steps-per-rollout ({steps}) = "
+            f"{gbs * steps}; give only one of the two and miles derives the other"
+        )
+    training.global_batch_size, training.num_steps_per_rollout = gbs, steps
+
+
+def _check_across_groups(config: MilesConfig) -> None:
+    """Every combination of settings that cannot work, or that would silently do nothing."""
+    cluster, training = config.cluster, config.training
+    if cluster.rollout_num_gpus is None:
+        cluster.rollout_num_gpus = (
+            cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine
+        )
+    plan_placement(
+        actor_num_nodes=cluster.actor_num_nodes,
+        actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
+        rollout_num_gpus=cluster.rollout_num_gpus,
+        rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
+        colocate=cluster.colocate,
+        use_gpus=False,
+    )
+    if training.async_train:
+        if cluster.colocate:
+            raise ValueError(
+                "--async-train overlaps generation with training, but --colocate makes them "
+                "share devices; drop one of the two flags"
+            )
+        if config.algorithm.off_policy_correction is None:
+            raise ValueError(
+                "--async-train trains on samples from the previous weights: set "
+                "--off-policy-correction (e.g. tis) to correct for it"
+            )
+    if config.data.n_samples_per_prompt != config.rollout.n_samples_per_prompt:
+        raise AssertionError("n_samples_per_prompt is one option shared by data and rollout")
+    if config.reward.rm_type in ("math", "exact_match", "f1") and config.data.label_key is None:
+        raise ValueError(
+            f"--rm-type {config.reward.rm_type} compares answers with the label, but "
+            "--label-key is none; name the dataset column holding the answers"
+        )
+    if config.checkpoint.load is None and config.checkpoint.save:
+        # Resuming from --save is what a restarted run wants; a fresh --save dir has no
+        # checkpoint and the run starts at rollout 0.
+        config.checkpoint.load = config.checkpoint.save
+    gbs = training.global_batch_size
+    assert gbs is not None, "derived by _derive_batch_identity"
+    dp = cluster.actor_world_size
+    if gbs % dp:
+        raise ValueError(
+            f"--global-batch-size ({gbs}) must be divisible by the data-parallel size "
+            f"({dp} = --actor-num-nodes x --actor-num-gpus-per-node); use a multiple of {dp}"
+        )

@@ -1,0 +1,204 @@
+"""The run configuration: precedence, suggestions, derived values and every cross-group rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles.config import Schema, build_parser, load_config
+from miles.config.docs import BEGIN, END, render_reference, splice
+
+BASE = ["--hf-checkpoint", "ckpt", "--prompt-data", "train.jsonl", "--rollout-batch-size", "4"]
+
+
+def load(*flags: str, base: list[str] = BASE):
+    return load_config([*base, *flags])
+
+
+def write_yaml(tmp_path: Path, content: dict) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(content))
+    return str(path)
+
+
+def test_defaults_derive_one_step_per_rollout():
+    config = load("--n-samples-per-prompt", "8")
+    assert config.training.global_batch_size == 32
+    assert config.training.num_steps_per_rollout == 1
+    assert config.data.n_samples_per_prompt == config.rollout.n_samples_per_prompt == 8
+
+
+def test_global_batch_size_derives_steps_and_steps_derive_global_batch_size():
+    assert load("--n-samples-per-prompt", "4", "--global-batch-size", "8").training.num_steps_per_rollout == 2  # fmt: skip
+    assert load("--n-samples-per-prompt", "4", "--num-steps-per-rollout", "4").training.global_batch_size == 4  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rbs=st.integers(1, 16),
+    n=st.integers(1, 8),
+    steps=st.integers(1, 8),
+)
+def test_batch_identity_holds_or_the_error_names_the_flags(rbs, n, steps):
+    flags = ["--rollout-batch-size", str(rbs), "--n-samples-per-prompt", str(n)]
+    flags += ["--num-steps-per-rollout", str(steps), "--actor-num-gpus-per-node", "1"]
+    base = ["--hf-checkpoint", "c", "--prompt-data", "d.jsonl"]
+    if (rbs * n) % steps:
+        with pytest.raises(ValueError, match="--num-steps-per-rollout"):
+            load(*flags, base=base)
+        return
+    training = load(*flags, base=base).training
+    assert training.global_batch_size * training.num_steps_per_rollout == rbs * n
+
+
+def test_inconsistent_batch_pair_is_an_error():
+    with pytest.raises(ValueError, match="give only one of the two"):
+        load("--n-samples-per-prompt", "4", "--global-batch-size", "8", "--num-steps-per-rollout", "3")  # fmt: skip
+
+
+def test_yaml_then_flags_precedence(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        {"rollout": {"rollout_temperature": 0.7, "n-samples-per-prompt": 2}, "eps_clip": 0.3},
+    )
+    config = load("--config", path, "--rollout-temperature", "0.9")
+    assert config.rollout.rollout_temperature == 0.9  # flag beats file
+    assert config.rollout.n_samples_per_prompt == 2  # file beats default
+    assert config.algorithm.eps_clip == 0.3
+    assert config.rollout.rollout_top_p == 1.0  # default
+
+
+def test_yaml_can_hold_every_required_setting(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        {"hf_checkpoint": "c", "prompt_data": "d.jsonl", "rollout_batch_size": 2},
+    )
+    assert load_config(["--config", path]).rollout.rollout_batch_size == 2
+
+
+def test_unknown_flag_suggests_the_closest():
+    with pytest.raises(ValueError, match="did you mean '--rollout-batch-size'"):
+        load("--rollout-batchsize", "3")
+
+
+def test_unknown_yaml_key_suggests_the_closest(tmp_path):
+    path = write_yaml(tmp_path, {"rollout": {"n_sample_per_prompt": 4}})
+    with pytest.raises(ValueError, match="did you mean 'n_samples_per_prompt'"):
+        load("--config", path)
+
+
+def test_bad_value_names_the_flag_and_the_expected_type():
+    with pytest.raises(ValueError, match="--rollout-batch-size: expected an integer, got 'four'"):
+        load_config(["--hf-checkpoint", "c", "--prompt-data", "d", "--rollout-batch-size", "four"])
+
+
+def test_bad_choice_lists_the_choices():
+    with pytest.raises(ValueError, match="choose from auto, sglang, reference"):
+        load("--rollout-engine", "vllm")
+
+
+def test_missing_required_settings_are_listed():
+    with pytest.raises(ValueError, match="missing required") as error:
+        load_config(["--rollout-batch-size", "2"])
+    assert "--hf-checkpoint" in str(error.value) and "--prompt-data" in str(error.value)
+
+
+def test_bool_and_list_flags():
+    config = load("--colocate", "--no-rollout-shuffle", "--rollout-stop", "</s>", "\n\n")
+    assert config.cluster.colocate is True
+    assert config.data.rollout_shuffle is False
+    assert config.rollout.rollout_stop == ["</s>", "\n\n"]
+
+
+def test_backend_settings_come_from_the_backend_wheel():
+    config = load("--lr", "3e-5", "--gradient-checkpointing")
+    assert type(config.backend).__name__ == "FSDPArgs"
+    assert config.backend.lr == 3e-5
+    args = config.actor_args()
+    assert args.fsdp is config.backend and args.loss is config.algorithm
+    assert args.hf_checkpoint == "ckpt" and args.global_batch_size == 4
+
+
+def test_missing_backend_wheel_names_the_wheel(monkeypatch):
+    from miles.utils import plugins
+
+    monkeypatch.setattr(plugins, "installed_plugins", lambda group: {})
+    with pytest.raises(ImportError, match="uv pip install miles-fsdp"):
+        load()
+
+
+def test_load_defaults_to_save():
+    assert load("--save", "out").checkpoint.load == "out"
+    assert load("--save", "out", "--load", "other").checkpoint.load == "other"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-rollout", "3", "--num-epoch", "2"], "give one of them"),
+        (
+            [
+                "--debug-rollout-only",
+                "--debug-train-only",
+                "--load-debug-rollout-data",
+                "x{rollout_id}",
+            ],
+            "exclude each other",
+        ),
+        (["--debug-train-only"], "--load-debug-rollout-data"),
+        (["--save-debug-rollout-data", "out.pt"], "{rollout_id}"),
+        (["--save-interval", "2"], "set --save DIR"),
+        (["--eval-interval", "2"], "--eval-prompt-data NAME PATH"),
+        (["--eval-prompt-data", "a"], "name/path pairs"),
+        (["--async-train"], "--off-policy-correction"),
+        (["--async-train", "--colocate", "--off-policy-correction", "tis"], "drop one of the two"),
+        (["--label-key", "none"], "--label-key is none"),
+        (["--actor-num-gpus-per-node", "3"], "divisible by the data-parallel size"),
+        (
+            ["--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1"],
+            "--rollout-num-gpus",
+        ),
+        (
+            ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+            "--rollout-num-gpus-per-engine",
+        ),
+        (["--actor-num-nodes", "0"], "--actor-num-nodes must be >= 1"),
+        (["--use-kl-loss", "--kl-loss-coef", "0"], "kl"),
+        (["--custom-rm-path", "m:f"], "--custom-rm-path"),
+        (["--rm-type", "remote"], "--rm-url"),
+        (["--rm-type", "maths"], "math"),
+    ],
+)
+def test_invalid_combinations_name_the_flags(flags, message):
+    with pytest.raises((ValueError, ImportError), match=message):
+        load(*flags)
+
+
+def test_help_has_a_section_per_group_and_explains_gpus_on_cpu(capsys):
+    parser = build_parser(Schema.for_backend("fsdp"))
+    text = parser.format_help()
+    for group in ("cluster", "rollout", "data", "algorithm", "training", "checkpoint", "logging", "engine", "backend"):  # fmt: skip
+        assert f"{group} settings" in text
+    assert "worker devices" in text
+    assert "--rollout-batch-size" in text and "(required)" in text
+
+
+def test_help_flag_exits_cleanly():
+    with pytest.raises(SystemExit) as exit_:
+        load_config(["--help"])
+    assert exit_.value.code == 0
+
+
+def test_readme_reference_is_generated_from_the_schema():
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    expected = splice(text, render_reference(Schema.for_backend("fsdp")))
+    assert text == expected, (
+        "packages/miles/README.md's config reference is stale: run "
+        "`uv run python -m miles.config.docs --write packages/miles/README.md docs/configuration.md`"
+    )
+    assert BEGIN in text and END in text
