@@ -33,19 +33,19 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from miles.backends.fsdp_utils.precision import hf_parameter_name
 from miles.backends.training_utils.device import get_device_info
+from miles.utils.checkpoint_layout import (
+    POINTER_FILE,
+    atomic_write_text,
+    iteration_dir,
+    latest_rollout_id,
+)
 
 logger = logging.getLogger(__name__)
 
-POINTER_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 # Hugging Face's default shard size: large models export as several files plus an index.
 MAX_SHARD_BYTES = 5 * 2**30
-
-
-def iteration_dir(save_dir: str | os.PathLike, rollout_id: int) -> Path:
-    """`<save_dir>/iter_<rollout_id:07d>`, the directory of one checkpoint."""
-    return Path(save_dir) / f"iter_{rollout_id:07d}"
 
 
 def _rank() -> int:
@@ -117,8 +117,8 @@ def save_checkpoint(
             "has_lr_scheduler": lr_scheduler is not None,
             "extra": json.loads(extra_json),
         }
-        _atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
-        _atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
+        atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
+        atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, path)
     _barrier()  # no rank reads or prunes checkpoints before the pointer is in place
     return path
@@ -193,36 +193,6 @@ def _states(
     return get_state_dict(model, optimizer)
 
 
-def latest_rollout_id(load_dir: str | os.PathLike) -> int | None:
-    """The rollout id the pointer file names, or None when there is no pointer."""
-    pointer = Path(load_dir) / POINTER_FILE
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{pointer} holds {text!r}, not a rollout id; write the number of the latest complete "
-            "iter_* directory into it, or delete it to start fresh"
-        ) from None
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so readers see the old content or the new, whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
 def _save_rng(path: Path) -> None:
     name, keys, pos, has_gauss, cached_gauss = np.random.get_state()
     state = {
@@ -292,6 +262,50 @@ def export_hf(
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
         logger.info("exported %d tensors (%s) to %s", len(tensors), dtype, out)
     _barrier()  # the directory is complete before any rank returns
+
+
+def export_checkpoint_to_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    hf_checkpoint: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Offline `miles export-hf`: a saved checkpoint (a --save directory, whose latest iteration
+    is used, or one `iter_*` directory) as a Hugging Face directory, in one process.
+
+    The model is rebuilt from the config of `hf_checkpoint` (default: the one the run trained,
+    recorded in meta.json) and DCP reshards the saved weights into it, whatever the world size
+    that saved them. `dtype` defaults to the original checkpoint's.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(checkpoint)
+    if not (path / META_FILE).is_file():
+        rollout_id = latest_rollout_id(path)
+        if rollout_id is None:
+            raise FileNotFoundError(
+                f"{path} is neither a checkpoint (no {META_FILE}) nor a --save directory (no "
+                f"{POINTER_FILE}); pass the --save directory of a run or one of its iter_* dirs"
+            )
+        path = iteration_dir(path, rollout_id)
+    meta = json.loads((path / META_FILE).read_text())
+    source = hf_checkpoint or meta.get("extra", {}).get("hf_checkpoint")
+    if not source:
+        raise ValueError(
+            f"{path} does not record the Hugging Face checkpoint it was trained from; pass "
+            "--hf-checkpoint (its config and tokenizer are copied into the export)"
+        )
+    config = AutoConfig.from_pretrained(source)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    state = get_model_state_dict(model)
+    _dcp_load(state, path / "model")
+    set_model_state_dict(model, state)
+    export_dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(export_dtype, str):
+        export_dtype = getattr(torch, export_dtype)
+    export_hf(model, out_dir, config=config, tokenizer_path=source, dtype=export_dtype)
+    return path
 
 
 def _hf_tensors(

@@ -368,6 +368,11 @@ class SGLangEngine:
         return f"http://{host}:{self.config.port}"
 
     @property
+    def pid(self) -> int | None:
+        """Process id of the running server (None before start and after shutdown)."""
+        return self._process.pid if self._process is not None else None
+
+    @property
     def client(self) -> SyncEngineClient:
         """A client of this server (created on first use, closed by shutdown)."""
         if self._client is None:
@@ -416,6 +421,7 @@ class SGLangEngine:
             self._client = None
         if self._process is not None:
             self._process.shutdown(grace_s)
+            self._process = None
 
     def __enter__(self) -> SGLangEngine:
         self.start()

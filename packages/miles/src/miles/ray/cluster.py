@@ -1,0 +1,46 @@
+"""Connecting the driver to Ray: join a cluster when given one, otherwise start a local one.
+
+Starting a local instance is explicit (`address="local"`): a bare `ray.init()` would silently join
+whatever cluster was last started on the machine, which is someone else's job on a shared host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(
+    address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True
+) -> None:
+    """Connect this process to Ray; a no-op when it already is.
+
+    `address` (or $RAY_ADDRESS) joins an existing cluster, e.g. "10.0.0.1:6379" or "auto".
+    Without either, a local single-node instance starts in-process with `num_cpus` CPUs
+    (None: all of them). `num_cpus` belongs to the cluster's nodes when joining, so it is ignored.
+    """
+    if ray.is_initialized():
+        logger.info("ray already initialized; keeping the existing connection")
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        if num_cpus is not None:
+            logger.info(
+                "init_ray: num_cpus=%d ignored when joining the cluster at %s; the nodes' own "
+                "`ray start --num-cpus` decides",
+                num_cpus, address,
+            )  # fmt: skip
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=log_to_driver)
+        return
+    logger.info("starting a local Ray instance (num_cpus=%s)", num_cpus)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=log_to_driver,
+    )

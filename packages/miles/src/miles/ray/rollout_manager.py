@@ -1,0 +1,290 @@
+"""`RolloutManager`: the Ray actor that owns the rollout side of a run.
+
+It starts the engines (one `RolloutEngineActor` per engine, in the engine's placement bundle),
+fronts them with sglang-router or the built-in least-loaded balancer, and per rollout runs:
+rollout function -> rewards -> reward shaping -> columnar train data, one shard per data-parallel
+rank, put in the Ray object store. It also evaluates, offloads/onloads engines, saves the
+data-source state, and `dispose()` stops every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+import ray
+from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
+from miles.config.schema import MilesConfig
+from miles.ray.engine_actor import RolloutEngineActor
+from miles.ray.placement import Placement
+from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
+from miles.rollout.engine_pool import EnginePool
+from miles.rollout.generate import RolloutConfig, generate_rollout
+from miles.rollout.rewards import RewardHub
+from miles.rollout.train_data import build_train_data, eval_metrics, rollout_metrics
+from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
+from miles.utils.import_path import load_function
+from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
+
+logger = logging.getLogger(__name__)
+
+# Share of a colocated bundle the engine takes; the train actor takes the rest.
+COLOCATED_ENGINE_SHARE = 0.4
+
+
+def resolve_engine(choice: str, has_gpus: bool) -> str:
+    """--rollout-engine auto: SGLang with GPUs when installed, else the reference engine."""
+    if choice != "auto":
+        return choice
+    sglang = importlib.util.find_spec("sglang") is not None and "sglang" in installed_plugins(
+        ROLLOUT_ENGINES
+    )
+    return "sglang" if has_gpus and sglang else "reference"
+
+
+def resolve_router(choice: str) -> str:
+    """--rollout-router auto: sglang-router when installed, else the built-in balancer."""
+    if choice != "auto":
+        return choice
+    return "sglang-router" if importlib.util.find_spec("sglang_router") else "builtin"
+
+
+class RolloutManager:
+    """Everything between "rollout N starts" and "train data of rollout N is in the object store".
+
+    Runs as a Ray actor (`ray.remote(RolloutManager)`); async methods share one event loop, so
+    generation, evaluation and control calls never race on the engines' clients.
+    """
+
+    def __init__(self, config: MilesConfig, placement: Placement | None, *, dp_size: int):
+        self.config = config
+        self.placement = placement
+        self.dp_size = dp_size
+        tokenizer = AutoTokenizer.from_pretrained(config.checkpoint.hf_checkpoint)
+        dataset = PromptDataset(config.data, tokenizer)
+        self.data_source = RolloutDataSource(dataset, config.data)
+        self.dataset_size = len(dataset)
+        self.eval_sources = self._eval_sources(tokenizer)
+        self.reward_hub = RewardHub(config.reward)
+        self.custom_rollout = (
+            load_function(config.rollout.rollout_function_path, "--rollout-function-path")
+            if config.rollout.rollout_function_path
+            else None
+        )
+        self.engine_actors: list[Any] = []
+        self.engine_urls: list[str] = []
+        self.router: RouterProcess | None = None
+        self.pool: EnginePool | None = None
+        self._reward_metrics: dict[str, float] = {}
+        self._reward_failures = self._reward_scored = 0
+
+    def _eval_sources(self, tokenizer: Any) -> dict[str, tuple[PromptDataset, DataSourceConfig]]:
+        sources = {}
+        for name, path in self.config.eval.eval_datasets.items():
+            data_config = DataSourceConfig(
+                **{
+                    **vars(self.config.data),
+                    "prompt_data": path,
+                    "rollout_shuffle": False,
+                    "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
+                }
+            )
+            sources[name] = (PromptDataset(data_config, tokenizer), data_config)
+        return sources
+
+    # -- engines -----------------------------------------------------------------------------
+
+    async def start_engines(self) -> list[str]:
+        """Launch every engine in its bundle, wait until all answer, set up the balancing."""
+        config = self.config
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        engine = resolve_engine(config.cluster.rollout_engine, has_gpus)
+        num_engines = len(self.placement.plan.engine_bundles) if self.placement else 1
+        log_dir = Path(config.engine.engine_log_dir or Path(config.logging.output_dir) / "engines")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        starts = []
+        for i in range(num_engines):
+            actor = self._engine_actor(i, has_gpus)
+            spec = {
+                "model_path": config.checkpoint.hf_checkpoint,
+                "num_devices": config.cluster.rollout_num_gpus_per_engine,
+                "dtype": config.engine.engine_dtype,
+                "max_running_requests": config.engine.engine_max_running_requests,
+                "mem_fraction_static": config.engine.engine_mem_fraction_static,
+                "random_seed": config.training.seed + i,
+                "startup_timeout_s": config.engine.engine_startup_timeout_s,
+                "log_path": str(log_dir / f"engine_{i}.log"),
+            }
+            self.engine_actors.append(actor)
+            starts.append(actor.start.remote(engine, spec))
+        logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
+        self.engine_urls = list(await asyncio.gather(*starts))
+        self._start_balancing()
+        return list(self.engine_urls)
+
+    def _engine_actor(self, index: int, has_gpus: bool) -> Any:
+        colocate = self.config.cluster.colocate
+        share = COLOCATED_ENGINE_SHARE if colocate else 1.0
+        options: dict[str, Any] = {"num_cpus": share, "num_gpus": share if has_gpus else 0}
+        if self.placement is not None:
+            options["scheduling_strategy"] = self.placement.engine_scheduling(index)
+        return ray.remote(RolloutEngineActor).options(**options).remote()
+
+    def _start_balancing(self) -> None:
+        router_url = None
+        if len(self.engine_urls) > 1 and resolve_router(self.config.engine.rollout_router) == (
+            "sglang-router"
+        ):
+            log = Path(self.config.logging.output_dir) / "engines" / "router.log"
+            self.router = RouterProcess(
+                RouterConfig(worker_urls=self.engine_urls, policy="cache_aware"), log_path=log
+            )
+            self.router.start()
+            router_url = self.router.url
+            logger.info("sglang-router at %s fronts %d engines", router_url, len(self.engine_urls))
+        self.pool = EnginePool(self.engine_urls, router_url=router_url)
+
+    async def engine_pids(self) -> list[int]:
+        """Process ids of the engine servers (for monitoring, and tests that check shutdown)."""
+        return list(await asyncio.gather(*[a.pid.remote() for a in self.engine_actors]))
+
+    def get_engine_urls(self) -> list[str]:
+        return list(self.engine_urls)
+
+    def get_dataset_size(self) -> int:
+        return self.dataset_size
+
+    # -- one rollout -------------------------------------------------------------------------
+
+    async def generate(self, rollout_id: int) -> dict[str, Any]:
+        """Generate and score rollout `rollout_id`; returns {"data": [ObjectRef per DP rank],
+        "metrics": {...}}. Rank r trains on `data[r]`."""
+        start = time.perf_counter()
+        self._reward_metrics = {}
+        self._reward_failures = self._reward_scored = 0
+        groups, metrics = await self._rollout(rollout_id)
+        unscored = [g for g in groups if any(s.reward is None for s in g)]
+        if unscored:  # a custom rollout function may leave scoring to the hub
+            await self._score(unscored)
+        shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
+        metrics.update(rollout_metrics(groups))
+        metrics.update(self._reward_metrics)
+        metrics["rollout/time_s"] = time.perf_counter() - start
+        return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
+
+    async def _rollout(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
+        assert self.pool is not None, "start_engines() before generate()"
+        if self.custom_rollout is not None:
+            result = self.custom_rollout(
+                rollout_id, pool=self.pool, data_source=self.data_source, config=self.config
+            )
+            groups = await result if asyncio.iscoroutine(result) else result
+            return groups, {}
+        output = await generate_rollout(
+            self.pool, self.data_source, self._score, self.config.rollout, rollout_id=rollout_id
+        )
+        return output.groups, dict(output.metrics)
+
+    async def _score(self, groups: list[list[Any]]) -> Any:
+        report = await self.reward_hub.score_groups(groups)
+        self._reward_failures += report.failures
+        self._reward_scored += len(report.rewards)
+        self._reward_metrics["reward/failures"] = float(self._reward_failures)
+        self._reward_metrics["reward/failure_rate"] = self._reward_failures / max(
+            1, self._reward_scored
+        )
+        return report
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    async def eval(self, rollout_id: int) -> dict[str, float]:
+        """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once)."""
+        assert self.pool is not None, "start_engines() before eval()"
+        metrics: dict[str, float] = {}
+        for name, (dataset, data_config) in self.eval_sources.items():
+            # A fresh source per evaluation: every prompt once, in file order.
+            source = RolloutDataSource(dataset, data_config)
+            eval_config = self._eval_rollout_config(len(dataset))
+            output = await generate_rollout(
+                self.pool, source, self.reward_hub.score_groups, eval_config, rollout_id=rollout_id
+            )
+            metrics.update(eval_metrics(output.groups, name))
+        return metrics
+
+    def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:
+        rollout, eval_ = self.config.rollout, self.config.eval
+        return RolloutConfig(
+            rollout_batch_size=num_prompts,
+            n_samples_per_prompt=eval_.n_samples_per_eval_prompt,
+            rollout_max_response_len=eval_.eval_max_response_len
+            or rollout.rollout_max_response_len,
+            rollout_temperature=(
+                eval_.eval_temperature
+                if eval_.eval_temperature is not None
+                else rollout.rollout_temperature
+            ),
+            rollout_top_p=rollout.rollout_top_p,
+            rollout_top_k=rollout.rollout_top_k,
+            rollout_stop=rollout.rollout_stop,
+            rollout_stop_token_ids=rollout.rollout_stop_token_ids,
+            rollout_concurrency=rollout.rollout_concurrency,
+        )
+
+    # -- memory, checkpoints, shutdown ---------------------------------------------------------
+
+    async def offload(self) -> None:
+        """Free the engines' device memory (weights and KV cache) for colocated training."""
+        assert self.pool is not None
+        await self.pool.release_memory_occupation()
+
+    async def onload(self, tags: list[str] | None = None) -> None:
+        assert self.pool is not None
+        await self.pool.resume_memory_occupation(tags)
+
+    def save(self, rollout_id: int) -> Path:
+        """Write the data-source state of `rollout_id` (before the backend's checkpoint, whose
+        pointer file makes the checkpoint count as complete)."""
+        save_dir = self.config.checkpoint.save
+        assert save_dir, "save() needs --save"
+        path = rollout_state_path(save_dir, rollout_id)
+        state = {"rollout_id": rollout_id, "data_source": self.data_source.state_dict()}
+        atomic_write_text(path, json.dumps(state))
+        return path
+
+    def load(self, load_dir: str | None = None) -> int | None:
+        """Restore the data-source state of the latest complete checkpoint; its rollout id."""
+        load_dir = load_dir or self.config.checkpoint.load
+        rollout_id = latest_rollout_id(load_dir) if load_dir else None
+        if rollout_id is None:
+            return None
+        path = rollout_state_path(load_dir, rollout_id)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"checkpoint {rollout_id} in {load_dir} has no rollout state ({path}); it was "
+                "written by another tool or its save was interrupted: resume from an earlier one"
+            )
+        self.data_source.load_state_dict(json.loads(path.read_text())["data_source"])
+        logger.info("resumed the data source at rollout %d from %s", rollout_id, path)
+        return rollout_id
+
+    async def dispose(self) -> None:
+        """Stop the router and every engine; nothing started here outlives this call."""
+        if self.pool is not None:
+            await self.pool.aclose()
+            self.pool = None
+        await self.reward_hub.aclose()
+        if self.router is not None:
+            self.router.shutdown()
+            self.router = None
+        if self.engine_actors:
+            await asyncio.gather(*[actor.shutdown.remote() for actor in self.engine_actors])
+            for actor in self.engine_actors:
+                ray.kill(actor)
+            self.engine_actors = []

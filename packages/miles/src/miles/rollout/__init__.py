@@ -1,0 +1,1 @@
+"""The rollout side of miles core: prompt data sources, rollout functions and rewards."""

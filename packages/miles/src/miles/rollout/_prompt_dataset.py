@@ -1,0 +1,257 @@
+"""The prompts a run trains on: read from a local JSONL/JSON/Parquet file, rendered and tokenized once.
+
+`PromptDataset` is a plain indexable list of `PromptRecord`s; in what order they are served (epochs,
+shuffling, resume) is `RolloutDataSource`'s business, in `miles.rollout.data_source`. Remote datasets
+(hub names, URLs) are deliberately not read here: nothing is downloaded at run time (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+# File suffix -> the `datasets` builder that reads it.
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_DEFAULT_METADATA_KEY = "metadata"
+
+
+@dataclass(kw_only=True)
+class DataSourceConfig:
+    """Where the prompts come from, how they are rendered, and in what order they are served."""
+
+    prompt_data: str
+    """Path of a local .jsonl, .json or .parquet file with one prompt per row (--prompt-data)."""
+    input_key: str = "input"
+    """Column holding the prompt: a string, or a list of chat messages `{"role", "content"}`."""
+    label_key: str | None = "label"
+    """Column holding the ground truth for the reward function; None for a task without labels."""
+    metadata_key: str | None = _DEFAULT_METADATA_KEY
+    """Column of dicts copied into `Sample.metadata`. The default may be absent from the file
+    (metadata is then `{}`); a column named explicitly must exist. None: never read metadata."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (with the generation prompt); a plain
+    string becomes one user message. Without it, prompts must be strings and are used as is."""
+    rollout_max_prompt_len: int | None = None
+    """Drop prompts longer than this many tokens (after rendering); None keeps all."""
+    rollout_shuffle: bool = True
+    """Serve each epoch in a fresh seeded random order; False serves the file order every epoch."""
+    rollout_seed: int = 42
+    """Epoch `e` is shuffled with seed `rollout_seed + e`, so a resumed run sees the same order."""
+    n_samples_per_prompt: int = 1
+    """How many samples each prompt gets (one group, e.g. for GRPO's group baseline)."""
+
+    def __post_init__(self) -> None:
+        suffix = Path(self.prompt_data).suffix.lower()
+        if suffix not in _BUILDERS:
+            raise ValueError(
+                f"--prompt-data {self.prompt_data!r} must be a local {', '.join(_BUILDERS)} file, "
+                f"got suffix {suffix or '(none)'!r}; convert the data to JSONL or Parquet"
+            )
+        if not self.input_key:
+            raise ValueError("--input-key must name the column holding the prompts, got ''")
+        if self.rollout_max_prompt_len is not None and self.rollout_max_prompt_len < 1:
+            raise ValueError(
+                f"--rollout-max-prompt-len ({self.rollout_max_prompt_len}) must be at least 1; "
+                "leave it unset to keep every prompt"
+            )
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(
+                f"--n-samples-per-prompt ({self.n_samples_per_prompt}) must be at least 1"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptRecord:
+    """One prompt, ready to generate from."""
+
+    prompt: str
+    """The text the model sees (chat template applied when configured)."""
+    prompt_ids: list[int]
+    """Token ids of `prompt`; treat as read-only, samples get their own copy."""
+    label: str | None
+    """Ground truth for the reward function; non-string labels are JSON-encoded."""
+    metadata: dict[str, Any]
+    """The row's metadata dict; samples get a deep copy."""
+
+
+class PromptDataset:
+    """Every prompt of `--prompt-data` that passes the length filter, in file order.
+
+    Rendering and tokenization happen once, here, so the length filter and the data source's
+    counts (epochs, resume checks) agree on which prompts exist.
+    """
+
+    dropped: int
+    """How many prompts the --rollout-max-prompt-len filter removed."""
+
+    def __init__(self, config: DataSourceConfig, tokenizer: Any) -> None:
+        self.config = config
+        table = _read_table(Path(config.prompt_data))
+        columns = list(table.column_names)
+        inputs = table[_require_column(config.input_key, "--input-key", config, columns)]
+        labels = (
+            [None] * len(inputs)
+            if config.label_key is None
+            else table[_require_column(config.label_key, "--label-key", config, columns)]
+        )
+        metadata = _metadata_column(table, config, columns)
+
+        prompts = [_render(row, value, config, tokenizer) for row, value in enumerate(inputs)]
+        # A chat template writes its own special tokens (BOS included, where the model has one);
+        # plain text gets the tokenizer's usual ones, as an engine given the text would add.
+        ids = tokenizer(prompts, add_special_tokens=not config.apply_chat_template)["input_ids"]
+
+        self._records: list[PromptRecord] = []
+        limit = config.rollout_max_prompt_len
+        for row, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
+            if not prompt_ids:
+                raise ValueError(
+                    f"--prompt-data {config.prompt_data}: row {row} (0-based) renders to an empty "
+                    f"prompt (column {config.input_key!r}); remove the row or fill it in"
+                )
+            if limit is not None and len(prompt_ids) > limit:
+                continue
+            self._records.append(
+                PromptRecord(
+                    prompt=prompt,
+                    prompt_ids=list(prompt_ids),
+                    label=_label_text(labels[row]),
+                    metadata=_metadata_dict(row, metadata[row], config),
+                )
+            )
+        self.dropped = len(prompts) - len(self._records)
+        self._report_filter(total=len(prompts), lengths=[len(i) for i in ids])
+
+    def _report_filter(self, *, total: int, lengths: list[int]) -> None:
+        limit = self.config.rollout_max_prompt_len
+        if self.dropped:
+            logger.warning(
+                "--rollout-max-prompt-len %d: dropped %d of %d prompts from %s "
+                "(longest prompt: %d tokens); %d remain",
+                limit,
+                self.dropped,
+                total,
+                self.config.prompt_data,
+                max(lengths),
+                len(self._records),
+            )
+        if not self._records:
+            raise ValueError(
+                f"--prompt-data {self.config.prompt_data}: no prompts left: all {total} rows were "
+                f"dropped by --rollout-max-prompt-len {limit} (longest prompt: {max(lengths)} "
+                f"tokens, shortest: {min(lengths)}); raise --rollout-max-prompt-len"
+            )
+        logger.info(
+            "loaded %d prompts from %s (%d dropped)",
+            len(self._records),
+            self.config.prompt_data,
+            self.dropped,
+        )
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i: int) -> PromptRecord:
+        return self._records[i]
+
+
+def _read_table(path: Path) -> datasets.Dataset:
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--prompt-data {str(path)!r} does not exist or is not a file; "
+            "pass the path of a local .jsonl, .json or .parquet file"
+        )
+    builder = _BUILDERS[path.suffix.lower()]
+    no_rows = f"--prompt-data {path} has no rows; it must hold at least one prompt"
+    try:
+        table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except StopIteration:
+        # What `datasets` raises when a JSON file yields no table at all (empty or blank file).
+        raise ValueError(no_rows) from None
+    except datasets.exceptions.DatasetGenerationError as err:
+        # The useful part (e.g. Arrow's "JSON parse error" with its position) is the cause.
+        raise ValueError(
+            f"--prompt-data {path}: cannot read it as {builder}: {err.__cause__ or err}"
+        ) from err
+    if len(table) == 0:
+        raise ValueError(no_rows)
+    return table
+
+
+def _require_column(key: str, flag: str, config: DataSourceConfig, columns: list[str]) -> str:
+    if key not in columns:
+        extra = " (or unset it for a task without labels)" if flag == "--label-key" else ""
+        raise ValueError(
+            f"{flag} {key!r} is not a column of --prompt-data {config.prompt_data}; "
+            f"its columns are {columns}: pass one of them{extra}"
+        )
+    return key
+
+
+def _metadata_column(
+    table: datasets.Dataset, config: DataSourceConfig, columns: list[str]
+) -> list[Any]:
+    key = config.metadata_key
+    if key is None or (key == _DEFAULT_METADATA_KEY and key not in columns):
+        return [None] * len(table)
+    return table[_require_column(key, "--metadata-key", config, columns)]
+
+
+def _render(row: int, value: Any, config: DataSourceConfig, tokenizer: Any) -> str:
+    """The prompt text of one row: the string itself, or its messages through the chat template."""
+    where = f"--prompt-data {config.prompt_data}: row {row} (0-based), column {config.input_key!r}"
+    if isinstance(value, str):
+        if not config.apply_chat_template:
+            return value
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and all(_is_message(m) for m in value) and value:
+        if not config.apply_chat_template:
+            raise ValueError(
+                f"{where} holds chat messages, which need a chat template to become a prompt; "
+                "pass --apply-chat-template"
+            )
+        messages = value
+    else:
+        raise ValueError(
+            f"{where} must be a string or a non-empty list of {{'role': str, 'content': str}} "
+            f"messages, got {_describe(value)}"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _is_message(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("role"), str)
+        and isinstance(value.get("content"), str)
+    )
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def _label_text(value: Any) -> str | None:
+    # Reward functions compare text; numbers and structures keep a parseable form.
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _metadata_dict(row: int, value: Any, config: DataSourceConfig) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"--prompt-data {config.prompt_data}: row {row} (0-based), --metadata-key column "
+            f"{config.metadata_key!r} must hold a dict (or null), got {_describe(value)}"
+        )
+    return value

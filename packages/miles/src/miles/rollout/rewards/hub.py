@@ -1,0 +1,267 @@
+"""The reward hub: resolves the configured reward once, scores batches concurrently, and applies
+the failure rule.
+
+Failure rule (DESIGN §8): a sample whose reward function raises, exceeds `--rm-timeout-s`, or
+returns something that is not a finite number (or a dict without the reward key) gets
+`--reward-failure-score` as its reward and the message in `sample.metadata["reward_error"]`.
+Failures are counted in the `RewardReport` (`reward/failures`, `reward/failure_rate`), logged once
+per batch with the count and the first message, and the run continues: the hub never raises for a
+failing reward function. With `--group-rm`, a group whose call fails fails all its samples.
+
+Sync functions run in worker threads (`asyncio.to_thread`), so a slow one does not stall the event
+loop; a timed-out thread cannot be killed and runs on in the background, only its result is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.backends.training_utils.sample import Sample
+from miles.rollout.rewards.config import CUSTOM_RM_PATH_FLAG, RewardConfig
+from miles.rollout.rewards.math import math_reward
+from miles.rollout.rewards.remote import RemoteRewardModel
+from miles.rollout.rewards.text import exact_match_reward, f1_reward
+from miles.utils.import_path import load_function
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {
+    "math": math_reward,
+    "exact_match": exact_match_reward,
+    "f1": f1_reward,
+}
+"""The rule-based rewards, by `--rm-type`; `remote` and `custom` are resolved from their flags."""
+MAX_FAILURE_MESSAGES = 5
+"""How many failure messages a `RewardReport` keeps; the count covers all of them."""
+_DEFAULT_REWARD_KEY = "reward"
+
+# One evaluation's outcome: the reward, or None and the error message.
+_Outcome = tuple[float | None, str | None]
+
+
+class RewardTimeoutError(TimeoutError):
+    """One evaluation ran past `--rm-timeout-s`."""
+
+
+@dataclass
+class RewardReport:
+    """Rewards of one scored batch, in input (flattened) order, and what failed."""
+
+    rewards: list[float]
+    failures: int = 0
+    failure_messages: list[str] = field(default_factory=list)
+    """The first `MAX_FAILURE_MESSAGES` messages, each prefixed with the sample's batch position."""
+
+    def metrics(self) -> dict[str, float]:
+        """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch)."""
+        rate = self.failures / len(self.rewards) if self.rewards else 0.0
+        return {"reward/failures": float(self.failures), "reward/failure_rate": rate}
+
+
+class RewardHub:
+    """Scores samples with the reward `config` names; see the module docstring for failures.
+
+    Example::
+
+        hub = RewardHub(RewardConfig(rm_type="math"))
+        report = await hub.score(samples)  # sets sample.reward and sample.raw_reward
+        tracker.log(report.metrics())
+        await hub.aclose()
+    """
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+        self._remote: RemoteRewardModel | None = None
+        self._fn = self._resolve()
+        self._is_async = _is_async_callable(self._fn)
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"RewardHub(rm_type={self.config.rm_type!r}, fn={self._fn!r})"
+
+    async def __aenter__(self) -> RewardHub:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Release the remote reward model's connections, if any."""
+        if self._remote is not None:
+            await self._remote.aclose()
+
+    async def score(self, samples: list[Sample]) -> RewardReport:
+        """Score `samples`; with `--group-rm`, samples sharing a `group_index` form one call."""
+        groups = _groups_by_index(samples) if self.config.group_rm else None
+        return await self._score(samples, groups)
+
+    async def score_groups(self, groups: list[list[Sample]]) -> RewardReport:
+        """Score groups (one per prompt); the report is in flattened order."""
+        flat = [sample for group in groups for sample in group]
+        if not self.config.group_rm:
+            return await self._score(flat, None)
+        positions, start = [], 0
+        for group in groups:
+            positions.append(list(range(start, start + len(group))))
+            start += len(group)
+        return await self._score(flat, positions)
+
+    def _resolve(self) -> Callable[..., Any]:
+        config = self.config
+        if config.rm_type in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[config.rm_type]
+        if config.rm_type == "remote":
+            assert config.rm_url is not None, "RewardConfig checks that remote has --rm-url"
+            self._remote = RemoteRewardModel(
+                config.rm_url,
+                timeout_s=config.rm_timeout_s,
+                max_retries=config.rm_max_retries,
+                max_connections=config.rm_concurrency,
+            )
+            return self._remote.score_group if config.group_rm else self._remote
+        assert config.custom_rm_path is not None, "RewardConfig checks that custom has a path"
+        return load_reward_function(config.custom_rm_path)
+
+    async def _score(self, samples: list[Sample], groups: list[list[int]] | None) -> RewardReport:
+        outcomes: list[_Outcome]
+        if groups is None:
+            outcomes = list(await asyncio.gather(*(self._evaluate(s) for s in samples)))
+        else:
+            per_group = await asyncio.gather(
+                *(self._evaluate_group([samples[i] for i in group]) for group in groups)
+            )
+            outcomes = [(None, "not scored")] * len(samples)  # every position is in one group
+            for group, group_outcomes in zip(groups, per_group, strict=True):
+                for position, outcome in zip(group, group_outcomes, strict=True):
+                    outcomes[position] = outcome
+        return self._apply(samples, outcomes)
+
+    def _apply(self, samples: list[Sample], outcomes: list[_Outcome]) -> RewardReport:
+        """Write rewards onto the samples, the failure score onto failed ones, and report."""
+        report = RewardReport(rewards=[])
+        for position, (sample, (reward, error)) in enumerate(zip(samples, outcomes, strict=True)):
+            if error is None:
+                assert reward is not None, "an outcome without an error carries a reward"
+                sample.metadata.pop("reward_error", None)  # left from an earlier scoring
+            else:
+                reward = self.config.reward_failure_score
+                sample.metadata["reward_error"] = error
+                report.failures += 1
+                if len(report.failure_messages) < MAX_FAILURE_MESSAGES:
+                    report.failure_messages.append(f"sample {position}: {error}")
+            sample.reward = sample.raw_reward = reward
+            report.rewards.append(reward)
+        if report.failures:
+            logger.warning(
+                "%d of %d samples failed their reward (--rm-type %s) and were given "
+                "--reward-failure-score %s; first failure: %s",
+                report.failures,
+                len(samples),
+                self.config.rm_type,
+                self.config.reward_failure_score,
+                report.failure_messages[0],
+            )
+        return report
+
+    async def _evaluate(self, sample: Sample) -> _Outcome:
+        try:
+            value = await self._call(sample)
+            return self._to_reward(value), None
+        except Exception as exc:
+            return None, self._describe(exc)
+
+    async def _evaluate_group(self, group: list[Sample]) -> list[_Outcome]:
+        try:
+            values = await self._call(group)
+            if not isinstance(values, list | tuple) or len(values) != len(group):
+                got = f"{len(values)} values" if isinstance(values, list | tuple) else repr(values)
+                raise TypeError(
+                    f"--group-rm reward must return a list with one reward per sample "
+                    f"({len(group)}), got {got:.200}"
+                )
+        except Exception as exc:
+            return [(None, self._describe(exc))] * len(group)
+        outcomes: list[_Outcome] = []
+        for value in values:
+            try:
+                outcomes.append((self._to_reward(value), None))
+            except Exception as exc:
+                outcomes.append((None, self._describe(exc)))
+        return outcomes
+
+    async def _call(self, arg: Any) -> Any:
+        """The reward function on `arg` under the concurrency bound and `--rm-timeout-s`."""
+        # The deadline starts once a slot is free: waiting for a slot is not the function's fault.
+        async with self._concurrency_slots():
+            try:
+                async with asyncio.timeout(self.config.rm_timeout_s) as deadline:
+                    return await self._invoke(arg)
+            except TimeoutError:
+                if not deadline.expired():  # the function's own TimeoutError, not our deadline
+                    raise
+                raise RewardTimeoutError(
+                    f"timed out after {self.config.rm_timeout_s} s (--rm-timeout-s)"
+                ) from None
+
+    async def _invoke(self, arg: Any) -> Any:
+        result = self._fn(arg) if self._is_async else await asyncio.to_thread(self._fn, arg)
+        if inspect.isawaitable(result):  # e.g. a sync wrapper that hands back a coroutine
+            result = await result
+        return result
+
+    def _concurrency_slots(self) -> asyncio.Semaphore:
+        # A semaphore belongs to one event loop; callers may run each batch in a fresh one.
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:
+            self._slots = asyncio.Semaphore(self.config.rm_concurrency)
+            self._slots_loop = loop
+        return self._slots
+
+    def _to_reward(self, value: Any) -> float:
+        if isinstance(value, dict):
+            key = self.config.reward_key or _DEFAULT_REWARD_KEY
+            if key not in value:
+                raise KeyError(
+                    f"reward returned a dict without the key {key!r} (keys: {list(value)[:10]}); "
+                    "set --reward-key to the key that holds the reward"
+                )
+            value = value[key]
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"reward returned {type(value).__name__} {value!r:.200}, not a number")
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward returned {reward}, not a finite number")
+        return reward
+
+    def _describe(self, exc: Exception) -> str:
+        if isinstance(exc, RewardTimeoutError):
+            return str(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+
+def load_reward_function(path: str) -> Callable[..., Any]:
+    """Import the function `--custom-rm-path` names; errors say what is missing and name the flag."""
+    return load_function(path, CUSTOM_RM_PATH_FLAG)
+
+
+def _groups_by_index(samples: list[Sample]) -> list[list[int]]:
+    """Batch positions grouped by `group_index`, in order of first appearance."""
+    groups: dict[int | None, list[int]] = {}
+    for position, sample in enumerate(samples):
+        groups.setdefault(sample.group_index, []).append(position)
+    return list(groups.values())
+
+
+def _is_async_callable(fn: Any) -> bool:
+    # iscoroutinefunction sees through functools.partial; a callable object needs its __call__.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - looking for an async __call__, not callability
+    )

@@ -1,0 +1,92 @@
+"""Generate (or continue) one sample with one /generate call, and fold the answer into it.
+
+`generate_sample` is the default of `--custom-generate-function-path`: a custom function has the
+same signature and may call it, or `append_response`, for the engine round trip. A sample whose
+earlier generation was aborted continues from its tokens: the new response tokens, text and
+log-probs are appended to the old ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.rollout.engine_pool import EnginePool
+
+GenerateFunction = Callable[[EnginePool, Sample, dict[str, Any]], Awaitable[Sample]]
+"""`async fn(pool, sample, sampling_params) -> Sample`; `sampling_params["max_new_tokens"]` is
+already what is left of this sample's response budget."""
+
+_FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+def needs_generation(sample: Sample) -> bool:
+    """A fresh sample (no response yet) or one whose generation was aborted part-way."""
+    return sample.status == SampleStatus.ABORTED or sample.response_length == 0
+
+
+async def generate_sample(
+    pool: EnginePool, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """One /generate from `sample.tokens` (prompt plus any partial response); updates `sample`."""
+    payload = {
+        "input_ids": sample.tokens,
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+    }
+    response = await pool.generate(payload)
+    return append_response(sample, response)
+
+
+def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
+    """Append an SGLang /generate answer to `sample`: tokens, text, log-probs, status, version.
+
+    `meta_info.output_token_logprobs` is SGLang's list of `[logprob, token_id, text|None]`.
+    """
+    meta = response.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise ValueError(
+            "the engine's /generate answer has no meta_info.output_token_logprobs; send "
+            '"return_logprob": true'
+        )
+    # Older SGLang answers carry no output_ids; the log-prob entries name the tokens too.
+    output_ids = [int(t) for t in response.get("output_ids", [entry[1] for entry in entries])]
+    if [int(entry[1]) for entry in entries] != output_ids:
+        raise ValueError(
+            f"sample {sample.index}: the engine's output_token_logprobs ({len(entries)} entries) "
+            f"do not match its output_ids ({len(output_ids)} tokens)"
+        )
+    if sample.rollout_log_probs is None and sample.response_length > 0:
+        raise ValueError(
+            f"sample {sample.index} has a {sample.response_length}-token response but no "
+            "rollout_log_probs, so new log-probs cannot be aligned to it"
+        )
+    old_mask = sample.effective_loss_mask
+    sample.tokens = [*sample.tokens, *output_ids]
+    sample.rollout_log_probs = [
+        *(sample.rollout_log_probs or []),
+        *(float(entry[0]) for entry in entries),
+    ]
+    sample.loss_mask = [*old_mask, *[1] * len(output_ids)]
+    sample.response_length += len(output_ids)
+    sample.response += response.get("text") or ""
+    finish_reason = meta.get("finish_reason") or {}
+    sample.status = _FINISH_STATUS.get(finish_reason.get("type"), SampleStatus.COMPLETED)
+    version = meta.get("weight_version")
+    if output_ids and version is not None:
+        # A resumed sample may span weight updates: training sees the latest version, the
+        # metadata keeps every version that contributed tokens, oldest first.
+        sample.metadata.setdefault("weight_versions", []).append(version)
+        sample.weight_version = _as_int(version)
+    sample.validate()
+    return sample
+
+
+def _as_int(version: Any) -> int | None:
+    """SGLang reports versions as strings ("3"); a non-numeric one (SGLang's "default") is None."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return None

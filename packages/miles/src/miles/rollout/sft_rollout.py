@@ -1,0 +1,43 @@
+"""A rollout function for supervised fine-tuning: the dataset's labels are the responses.
+
+Use with `--loss-type sft_loss --rollout-function-path miles.rollout.sft_rollout:sft_rollout`, so a
+supervised warm-up runs through `miles train` like any RL stage (same data source, checkpoints,
+evaluation and tracking). Each prompt's response is its label followed by the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from miles.backends.training_utils.sample import Sample, SampleStatus
+
+
+@functools.cache
+def _tokenizer(path: str) -> Any:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def sft_rollout(rollout_id: int, *, pool: Any, data_source: Any, config: Any) -> list[list[Sample]]:
+    """`--rollout-batch-size` groups whose responses are the labels (no generation)."""
+    del rollout_id, pool  # nothing is generated
+    tokenizer = _tokenizer(config.checkpoint.hf_checkpoint)
+    groups = data_source.get_samples(config.rollout.rollout_batch_size)
+    for group in groups:
+        for sample in group:
+            if sample.label is None:
+                raise ValueError(
+                    f"SFT needs a response for every prompt, but prompt {sample.group_index} has "
+                    "no label; set --label-key to the column holding the responses"
+                )
+            response_ids = tokenizer(sample.label, add_special_tokens=False)["input_ids"]
+            response_ids.append(tokenizer.eos_token_id)
+            sample.tokens = [*sample.tokens, *response_ids]
+            sample.response = sample.label
+            sample.response_length = len(response_ids)
+            sample.loss_mask = [1] * len(response_ids)
+            sample.status = SampleStatus.COMPLETED
+            sample.reward = 0.0  # unused by sft_loss; the train batch needs a number
+    return groups

@@ -1,0 +1,125 @@
+"""RolloutManager end to end on real Ray: engines in their bundles, a rollout, eval, state, dispose."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+
+from miles.config import load_config
+from miles.ray.cluster import init_ray
+from miles.ray.placement import create_placement, plan_placement, remove_placement
+from miles.ray.rollout_manager import RolloutManager
+from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
+
+GROUP = 2
+PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [{"input": f"{a}+{a}=", "label": str(2 * a)} for a in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_checkpoint, prompt_file, tmp_path_factory):
+    """A RolloutManager actor with two reference engines in a real placement group."""
+    out = tmp_path_factory.mktemp("run")
+    config = load_config([
+        "--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", str(prompt_file),
+        "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(GROUP),
+        "--rollout-max-response-len", "4", "--rm-type", "exact_match",
+        "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
+        "--rollout-router", "builtin", "--save", str(out / "ckpt"),
+        "--eval-prompt-data", "heldout", str(prompt_file), "--n-samples-per-eval-prompt", "2",
+        "--output-dir", str(out),
+    ])  # fmt: skip
+    init_ray(num_cpus=4)
+    plan = plan_placement(
+        actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=1, colocate=False, use_gpus=False,
+    )  # fmt: skip
+    placement = create_placement(plan, timeout_s=60)
+    actor = ray.remote(RolloutManager).options(num_cpus=0).remote(config, placement, dp_size=2)
+    urls = ray.get(actor.start_engines.remote(), timeout=180)
+    yield actor, urls, config, placement
+    ray.get(actor.dispose.remote(), timeout=120)
+    remove_placement(placement)
+    ray.shutdown()
+
+
+def test_each_engine_gets_its_own_server(manager):
+    actor, urls, *_ = manager
+    assert len(urls) == 2 and len(set(urls)) == 2
+    assert ray.get(actor.get_engine_urls.remote()) == urls
+
+
+def test_rollout_gives_group_normalized_shards_per_dp_rank(manager):
+    actor, *_ = manager
+    result = ray.get(actor.generate.remote(0), timeout=120)
+    shards = ray.get(result["data"])
+    assert len(shards) == 2
+    rows = sum(len(s["tokens"]) for s in shards)
+    assert rows == PROMPTS * GROUP
+    assert all(len(s["tokens"]) == PROMPTS * GROUP // 2 for s in shards)
+    merged = {}
+    for shard in shards:
+        for index, reward in zip(shard["sample_indices"], shard["rewards"], strict=True):
+            merged[index] = reward
+        for tokens, length, log_probs in zip(
+            shard["tokens"], shard["response_lengths"], shard["rollout_log_probs"], strict=True
+        ):
+            assert 1 <= length <= 4 and len(log_probs) == length and len(tokens) > length
+    # grpo: rewards are normalized within each group of consecutive sample indices.
+    for group in range(PROMPTS):
+        values = [merged[group * GROUP + i] for i in range(GROUP)]
+        assert abs(sum(values)) < 1e-6
+    metrics = result["metrics"]
+    assert metrics["rollout/samples"] == PROMPTS * GROUP
+    assert "rollout/reward_mean" in metrics and metrics["reward/failures"] == 0
+
+
+def test_eval_reports_mean_reward_and_pass_at_k(manager):
+    actor, *_ = manager
+    metrics = ray.get(actor.eval.remote(0), timeout=120)
+    assert {"eval/heldout/reward_mean", "eval/heldout/pass@1", "eval/heldout/pass@2"} <= set(
+        metrics
+    )
+    assert metrics["eval/heldout/samples"] == 10 * 2
+
+
+def test_offload_and_onload_engines(manager):
+    actor, *_ = manager
+    ray.get(actor.offload.remote(), timeout=60)
+    ray.get(actor.onload.remote(), timeout=60)
+    assert ray.get(actor.generate.remote(1), timeout=120)["metrics"]["rollout/samples"] == 8
+
+
+def test_data_source_state_is_saved_and_restored(manager):
+    actor, _, config, _ = manager
+    path = ray.get(actor.save.remote(5))
+    assert path == rollout_state_path(config.checkpoint.save, 5)
+    assert ray.get(actor.load.remote()) is None  # no pointer yet: the checkpoint is incomplete
+    (path.parent.parent / POINTER_FILE).write_text("5\n")
+    assert ray.get(actor.load.remote()) == 5
+
+
+def test_dispose_stops_every_engine(manager):  # last: it ends the shared manager's engines
+    actor, *_ = manager
+    pids = ray.get(actor.engine_pids.remote())
+    assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    ray.get(actor.dispose.remote(), timeout=120)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
