@@ -7,6 +7,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from miles.backends.training_utils.device import get_device_info
+from miles.cli.commands import run_export_hf, run_plot, run_train
 from miles.utils.plugins import ROLLOUT_ENGINES, TRAIN_BACKENDS, installed_plugins
 
 MILES_WHEELS = ("miles", "miles-training-utils", "miles-sglang", "miles-fsdp", "miles-megatron")
@@ -45,6 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="show the detected device, the installed miles wheels and backends"
     )
     info.set_defaults(handler=_print_info)
+    train = subcommands.add_parser(
+        "train",
+        help="run RL training (see `miles train --help` for every setting)",
+        add_help=False,  # `miles train --help` lists the run's settings, not this parser's
+        prefix_chars="\0",  # hand every flag, unparsed, to the run's own parser
+    )
+    train.add_argument("argv", nargs=argparse.REMAINDER)
+    train.set_defaults(handler=lambda args: run_train(args.argv))
+    plot = subcommands.add_parser("plot", help="write PNG curves of a run's metrics")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of a miles train run")
+    plot.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+    plot.set_defaults(handler=run_plot)
+    export = subcommands.add_parser(
+        "export-hf", help="write a saved checkpoint as a Hugging Face model directory"
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a --save dir or an iter_* dir")
+    export.add_argument("out_dir", metavar="OUT_DIR")
+    export.add_argument("--hf-checkpoint", default=None, help="config/tokenizer source")
+    export.add_argument("--train-backend", default="fsdp")
+    export.set_defaults(handler=run_export_hf)
     return parser
 
 

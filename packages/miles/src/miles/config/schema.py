@@ -119,6 +119,7 @@ class MilesConfig:
     def __post_init__(self) -> None:
         _derive_batch_identity(self)
         _check_across_groups(self)
+        _absolute_paths(self)
 
     @classmethod
     def from_values(cls, schema: Schema, values: dict[str, Any]) -> MilesConfig:
@@ -177,6 +178,29 @@ class MilesConfig:
                 epochs, dataset_size, self.rollout.rollout_batch_size
             )
         return training.num_rollout
+
+
+def _absolute_paths(config: MilesConfig) -> None:
+    """Relative paths resolved against the launch directory: Ray workers run elsewhere."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    checkpoint, training, logging_ = config.checkpoint, config.training, config.logging
+    if os.path.exists(os.path.expanduser(checkpoint.hf_checkpoint)):
+        # Otherwise a hub id ("Qwen/Qwen3-0.6B"), which transformers resolves itself.
+        checkpoint.hf_checkpoint = absolute(checkpoint.hf_checkpoint)
+    checkpoint.save, checkpoint.load = absolute(checkpoint.save), absolute(checkpoint.load)
+    config.data.prompt_data = absolute(config.data.prompt_data)
+    if config.eval.eval_prompt_data:
+        pairs = config.eval.eval_prompt_data
+        config.eval.eval_prompt_data = [
+            item if i % 2 == 0 else absolute(item) for i, item in enumerate(pairs)
+        ]
+    logging_.output_dir = absolute(logging_.output_dir)
+    config.engine.engine_log_dir = absolute(config.engine.engine_log_dir)
+    training.save_debug_rollout_data = absolute(training.save_debug_rollout_data)
+    training.load_debug_rollout_data = absolute(training.load_debug_rollout_data)
 
 
 def _derive_batch_identity(config: MilesConfig) -> None:

@@ -14,6 +14,20 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+def _keep_workers_in_this_environment() -> None:
+    """Under `uv run`, Ray rebuilds the project's virtual environment in every worker from an
+    uploaded copy of the working directory (tens of seconds per start, and a second install that
+    can drift from the first). miles's workers share the driver's environment instead, as they do
+    without uv. Ray reads RAY_ENABLE_UV_RUN_RUNTIME_ENV when it is first imported, so the setting
+    is also applied to the already-imported constant; a user's explicit value wins."""
+    if os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0") != "0":
+        return
+    from ray._private import ray_constants
+
+    if hasattr(ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV"):
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+
+
 def init_ray(
     address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True
 ) -> None:
@@ -26,6 +40,7 @@ def init_ray(
     if ray.is_initialized():
         logger.info("ray already initialized; keeping the existing connection")
         return
+    _keep_workers_in_this_environment()
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         if num_cpus is not None:

@@ -124,6 +124,22 @@ class TrainRayActor(abc.ABC):
     def export_hf(self, path: str | Path) -> None:
         """Write the current weights as a Hugging Face checkpoint directory."""
 
+    def logprob_gap(self, data_ref: Any) -> float:
+        """Mean |trainer - engine| log-prob over the response tokens of `data_ref` (all ranks).
+
+        The step-0 check of DESIGN §3.4: after the first weight update the two must agree. A
+        backend that cannot compute it says so, and the run is told how to skip the check.
+        """
+        raise NotImplementedError(
+            f"the {type(self).__name__} backend has no step-0 log-prob check; pass "
+            "--check-weight-sync-tolerance none to skip it"
+        )
+
+    def close(self) -> None:
+        """Release what `init` acquired; the default leaves the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def _host_for_url(address: str) -> str:
     # An IPv6 literal needs brackets inside a tcp:// URL.

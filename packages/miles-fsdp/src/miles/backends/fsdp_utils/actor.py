@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.arguments import FSDPArgs
 from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
 from miles.backends.fsdp_utils.modeling import build_fsdp_model, packed_logits, response_positions
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
@@ -102,6 +103,12 @@ def _resolve(data_ref: Any) -> RolloutBatch:
 
 class FSDPTrainRayActor(TrainRayActor):
     """One rank of the FSDP2 policy trainer; every rank gets the same calls in the same order."""
+
+    config_class = FSDPArgs
+    """The backend's settings group: `miles train --train-backend fsdp` adds these flags."""
+
+    export_checkpoint = staticmethod(checkpoint.export_checkpoint_to_hf)
+    """`miles export-hf`: a saved checkpoint as a Hugging Face directory, offline."""
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -202,6 +209,27 @@ class FSDPTrainRayActor(TrainRayActor):
             metrics.append(self._train_step(select_rows(batch, rows)))
             logger.info("rollout %d step %d/%d: %s", rollout_id, step + 1, num_steps, metrics[-1])
         return metrics
+
+    def logprob_gap(self, data_ref: Any) -> float:
+        """Mean |trainer - engine| log-prob per response token of this batch, over all ranks."""
+        batch = _resolve(data_ref)
+        if "rollout_log_probs" not in batch:
+            raise ValueError(
+                "the step-0 check compares with the engine's log-probs, but the batch has none; "
+                "request return_logprob in the rollout or pass --check-weight-sync-tolerance none"
+            )
+        trainer = self._forward_log_probs(self.model, batch)
+        gap, tokens = 0.0, 0.0
+        for ours, theirs, mask in zip(
+            trainer, batch["rollout_log_probs"], batch["loss_masks"], strict=True
+        ):
+            weights = torch.as_tensor(mask, dtype=torch.float64)
+            diff = (ours.double().cpu() - torch.as_tensor(theirs, dtype=torch.float64)).abs()
+            gap += float((diff * weights).sum())
+            tokens += float(weights.sum())
+        gap = self._all_reduce(gap, dist.ReduceOp.SUM)
+        tokens = self._all_reduce(tokens, dist.ReduceOp.SUM)
+        return gap / max(tokens, 1.0)
 
     def _num_steps(self, local_samples: int) -> int:
         total, gbs = local_samples * self.dp.size, self.args.global_batch_size
@@ -369,7 +397,11 @@ class FSDPTrainRayActor(TrainRayActor):
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            extra_meta={"weight_version": self.weight_version, "global_step": self.global_step},
+            extra_meta={
+                "weight_version": self.weight_version,
+                "global_step": self.global_step,
+                "hf_checkpoint": str(self.args.hf_checkpoint),
+            },
         )
 
     def export_hf(self, path: str | Path) -> None:
@@ -449,3 +481,4 @@ class FSDPTrainRayActor(TrainRayActor):
             for client in self._updater.clients:
                 client.close()
             self._updater = None
+        super().close()

@@ -95,6 +95,10 @@ def server_message(response: httpx.Response) -> str:
     return message[:_MAX_MESSAGE_CHARS]
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Seconds an idle pooled connection is kept; below the servers' 5 s keep-alive timeout."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineTimeouts:
     """Seconds per kind of call; one engine serves calls that take milliseconds and hours."""
@@ -153,7 +157,12 @@ class EngineClient:
             base_url=self.url,
             headers=headers,
             # Room for every generation slot plus the control calls that bypass the slots.
-            limits=httpx.Limits(max_connections=max_concurrency + 16),
+            # Idle connections expire before the server's keep-alive timeout (uvicorn's default,
+            # which SGLang keeps, is 5 s): reusing one the server is closing fails a /generate
+            # with a ReadError, and a non-idempotent call must not be retried blindly.
+            limits=httpx.Limits(
+                max_connections=max_concurrency + 16, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
             timeout=self._timeout(self.timeouts.control_s),
             # Engines are cluster-internal: a proxy from the environment would only get in the way.
             trust_env=False,

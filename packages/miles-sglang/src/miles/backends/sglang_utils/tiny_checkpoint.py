@@ -85,3 +85,23 @@ def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides
     model.save_pretrained(path, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m miles.backends.sglang_utils.tiny_checkpoint OUT [--seed N] [--hidden-size ...]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=build_tiny_checkpoint.__doc__)
+    parser.add_argument("out", help="directory to write the checkpoint to")
+    parser.add_argument("--seed", type=int, default=0)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("out", "seed") and v is not None}
+    path = build_tiny_checkpoint(args.out, seed=args.seed, **overrides)
+    print(f"wrote a tiny Qwen3 checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

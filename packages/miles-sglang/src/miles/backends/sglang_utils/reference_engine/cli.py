@@ -42,7 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"miles-reference-engine: {err}", file=sys.stderr)
         return 2
     engine = ReferenceEngine(config)
-    uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=args.log_level)
+    # A long keep-alive: clients pool connections between rollouts (theirs expire first).
+    uvicorn.run(
+        create_app(engine),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        timeout_keep_alive=60,
+    )
     engine.scheduler.shutdown()
     return 0
 

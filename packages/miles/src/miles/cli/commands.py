@@ -1,0 +1,61 @@
+"""The `miles` subcommands that do work: train, plot, export-hf."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
+
+
+def run_train(argv: list[str]) -> int:
+    """`miles train [flags]`: parse and validate the configuration, then run the loop."""
+    from miles.config import load_config
+
+    try:
+        config = load_config(argv)
+    except (ValueError, ImportError) as err:
+        print(f"miles train: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.logging.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    from miles.train import train
+
+    train(config)
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from miles.utils.plotting import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"miles plot: error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    actor_class = load_plugin(TRAIN_BACKENDS, args.train_backend)
+    export = getattr(actor_class, "export_checkpoint", None)
+    if export is None:
+        print(
+            f"miles export-hf: error: the {args.train_backend} backend cannot export its "
+            "checkpoints offline; export from a running job with export_hf()",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        source = export(args.checkpoint, args.out_dir, hf_checkpoint=args.hf_checkpoint)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"miles export-hf: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {source} to {args.out_dir}")
+    return 0
