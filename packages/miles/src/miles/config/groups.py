@@ -33,6 +33,9 @@ class ClusterConfig:
     """Devices of one engine (its tensor-parallel size)."""
     colocate: bool = False
     """Trainers and engines share the same devices, taking turns (sleep / wake-up)."""
+    cpus_per_bundle: float = 1.0
+    """CPUs reserved with each device (with GPUs: for the device's process and its data work;
+    without: the worker slot itself)."""
     ray_address: str | None = None
     """Join this Ray cluster (also read from $RAY_ADDRESS) instead of starting a local one."""
     train_backend: str = "fsdp"

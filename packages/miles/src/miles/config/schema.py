@@ -252,6 +252,7 @@ def _check_across_groups(config: MilesConfig) -> None:
         rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
         colocate=cluster.colocate,
         use_gpus=False,
+        cpus_per_bundle=cluster.cpus_per_bundle,
     )
     if training.async_train:
         if cluster.colocate:

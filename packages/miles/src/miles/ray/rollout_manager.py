@@ -132,7 +132,10 @@ class RolloutManager:
     def _engine_actor(self, index: int, has_gpus: bool) -> Any:
         colocate = self.config.cluster.colocate
         share = COLOCATED_ENGINE_SHARE if colocate else 1.0
-        options: dict[str, Any] = {"num_cpus": share, "num_gpus": share if has_gpus else 0}
+        options: dict[str, Any] = {
+            "num_cpus": share * self.config.cluster.cpus_per_bundle,
+            "num_gpus": share if has_gpus else 0,
+        }
         if self.placement is not None:
             options["scheduling_strategy"] = self.placement.engine_scheduling(index)
         return ray.remote(RolloutEngineActor).options(**options).remote()

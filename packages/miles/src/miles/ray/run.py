@@ -68,6 +68,7 @@ class Run:
             rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
             colocate=cluster.colocate,
             use_gpus=torch.cuda.is_available(),
+            cpus_per_bundle=cluster.cpus_per_bundle,
         )
         # On CPU a bundle is a worker slot, not a core: a laptop with 2 cores still runs 3 slots.
         needed_cpus = int(plan.total_resources().get("CPU", 0) + 1)
@@ -90,6 +91,7 @@ class Run:
                 world_size=dp_size,
                 colocate=cluster.colocate,
                 has_gpus=has_gpus,
+                cpus_per_bundle=cluster.cpus_per_bundle,
             )
             args = config.actor_args()
             args.engine_urls = engine_urls

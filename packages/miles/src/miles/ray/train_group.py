@@ -40,6 +40,7 @@ class RayTrainGroup:
         world_size: int,
         colocate: bool,
         has_gpus: bool,
+        cpus_per_bundle: float = 1.0,
     ):
         share = COLOCATED_TRAIN_SHARE if colocate else 1.0
         master_addr, master_port = ray.get(
@@ -48,7 +49,7 @@ class RayTrainGroup:
         remote_class = ray.remote(actor_class)
         self.actors = [
             remote_class.options(
-                num_cpus=share,
+                num_cpus=share * cpus_per_bundle,
                 num_gpus=share if has_gpus else 0,
                 scheduling_strategy=placement.actor_scheduling(rank),
             ).remote(rank, world_size, master_addr, master_port)
