@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,13 @@ def test_missing_backend_wheel_names_the_wheel(monkeypatch):
         load()
 
 
-def test_load_defaults_to_save():
-    assert load("--save", "out").checkpoint.load == "out"
-    assert load("--save", "out", "--load", "other").checkpoint.load == "other"
+def test_load_defaults_to_save_and_paths_become_absolute():
+    # Ray workers run in other directories: every path is resolved where miles was launched.
+    config = load("--save", "out")
+    assert config.checkpoint.load == config.checkpoint.save == os.path.abspath("out")
+    assert load("--save", "out", "--load", "other").checkpoint.load == os.path.abspath("other")
+    assert config.data.prompt_data == os.path.abspath("train.jsonl")
+    assert config.checkpoint.hf_checkpoint == "ckpt"  # not a local path: a hub id stays as is
 
 
 @pytest.mark.parametrize(
