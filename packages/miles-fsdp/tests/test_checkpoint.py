@@ -268,3 +268,32 @@ def test_exported_directory_loads_in_transformers_with_the_trainers_logits(runs)
     assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     assert tokenizer("w1 w2").input_ids == [1, 2]
+
+
+def test_miles_export_hf_converts_a_saved_checkpoint_offline(runs, tmp_path):
+    from miles.cli.main import main
+
+    out = tmp_path / "exported"
+    # The checkpoint was saved by 2 ranks; the export runs in this one process.
+    status = main(
+        [
+            "export-hf",
+            str(runs["root"] / "ckpt"),
+            str(out),
+            "--hf-checkpoint",
+            str(runs["root"] / "hf"),
+        ]
+    )
+    assert status == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    saved = runs["first"][0]["at_save"]["params"]
+    assert set(saved) - set(loaded) <= {"lm_head.weight"}  # tied: loaded as the embedding
+    for name in set(saved) & set(loaded):
+        torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0)
+
+
+def test_miles_export_hf_explains_a_directory_without_checkpoint(tmp_path, capsys):
+    from miles.cli.main import main
+
+    assert main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err

@@ -40,3 +40,19 @@ def test_unknown_subcommand_exits_with_usage_error(capsys):
         main(["trian"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+def test_train_help_lists_the_run_settings(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--rollout-batch-size" in out and "backend settings" in out
+
+
+def test_train_with_a_misspelled_flag_exits_2_with_a_suggestion(capsys):
+    status = main(
+        ["train", "--hf-checkpoint", "c", "--prompt-data", "d", "--rollout-batchsize", "4"]
+    )
+    assert status == 2
+    assert "did you mean '--rollout-batch-size'" in capsys.readouterr().err
