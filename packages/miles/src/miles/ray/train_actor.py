@@ -136,9 +136,13 @@ class TrainRayActor(abc.ABC):
         )
 
     def close(self) -> None:
-        """Release what `init` acquired; the default leaves the process group."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Release what the rank holds beyond its process (engine clients, weight-update groups).
+
+        Called before the train group's actors end; the process group stays, since a backend may
+        re-create its engine connections after `close` (e.g. to switch transports). A backend
+        that holds nothing beyond its process has nothing to release.
+        """
+        logger.debug("rank %d: %s holds nothing to release", self.rank, type(self).__name__)
 
 
 def _host_for_url(address: str) -> str:

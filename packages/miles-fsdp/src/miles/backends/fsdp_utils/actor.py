@@ -481,4 +481,3 @@ class FSDPTrainRayActor(TrainRayActor):
             for client in self._updater.clients:
                 client.close()
             self._updater = None
-        super().close()

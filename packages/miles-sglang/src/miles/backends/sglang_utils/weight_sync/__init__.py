@@ -39,16 +39,24 @@ from miles.backends.sglang_utils.weight_sync.tensor_transport import (
     serialize_named_tensors,
     share_tensor,
 )
+from miles.backends.sglang_utils.weight_sync.updaters import (
+    UpdateWeightFromDistributed,
+    UpdateWeightFromTensor,
+    WeightUpdater,
+)
 
 __all__ = [
     "DistributedWeightSender",
     "FlattenedBucket",
     "TensorMeta",
     "TensorWeightSender",
+    "UpdateWeightFromDistributed",
+    "UpdateWeightFromTensor",
     "WeightSyncClient",
     "WeightSyncError",
     "WeightUpdateError",
     "WeightUpdateGroup",
+    "WeightUpdater",
     "broadcast_tensors",
     "create_weight_update_group",
     "deserialize_flattened_bucket",
