@@ -198,12 +198,12 @@ def test_help_flag_exits_cleanly():
     assert exit_.value.code == 0
 
 
-def test_readme_reference_is_generated_from_the_schema():
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    expected = splice(text, render_reference(Schema.for_backend("fsdp")))
-    assert text == expected, (
-        "packages/miles/README.md's config reference is stale: run "
-        "`uv run python -m miles.config.docs --write packages/miles/README.md docs/configuration.md`"
-    )
+@pytest.mark.parametrize("page", ["packages/miles/README.md", "docs/configuration.md"])
+def test_config_reference_is_generated_from_the_schema(page):
+    path = Path(__file__).resolve().parents[3] / page
+    text = path.read_text()
     assert BEGIN in text and END in text
+    assert text == splice(text, render_reference(Schema.for_backend("fsdp"))), (
+        f"{page}'s config reference is stale: run `uv run python -m miles.config.docs --write "
+        "packages/miles/README.md docs/configuration.md`"
+    )

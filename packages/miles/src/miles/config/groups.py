@@ -73,12 +73,22 @@ class EngineConfig:
     """How long to wait for every engine to answer /health after launch."""
     engine_log_dir: str | None = None
     """Write each engine's output to a file here (default: the run's output directory)."""
+    sglang_server_args: list[str] | None = None
+    """Further SGLang server flags as key=value, passed through verbatim: `--sglang-server-args
+    context-length=8192 chunked-prefill-size=4096`; an error with the reference engine."""
 
     def __post_init__(self) -> None:
         _at_least(self.engine_max_running_requests, 1, "--engine-max-running-requests")
         frac = self.engine_mem_fraction_static
         if frac is not None and not 0 < frac <= 1:
             raise ValueError(f"--engine-mem-fraction-static must be in (0, 1], got {frac}")
+        for item in self.sglang_server_args or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key or key.startswith("-"):
+                raise ValueError(
+                    f"--sglang-server-args takes key=value items without dashes (e.g. "
+                    f"context-length=8192), got {item!r}"
+                )
         if self.engine_startup_timeout_s <= 0:
             raise ValueError(
                 f"--engine-startup-timeout-s must be positive, got {self.engine_startup_timeout_s}"
