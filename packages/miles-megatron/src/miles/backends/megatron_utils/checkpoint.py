@@ -1,0 +1,114 @@
+"""Resumable checkpoints of the Megatron backend: Megatron distributed checkpoints + miles's layout.
+
+`<save>/iter_<N:07d>/dist/` holds model and optimizer as a Megatron distributed checkpoint
+(loadable at other parallel layouts), `rank_<r>.pt` the scheduler and this rank's RNG states,
+`meta.json` the rollout id and counters; the `latest` pointer (core's checkpoint_layout) is
+written last, by rank 0, after every rank finished.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from miles.utils.checkpoint_layout import (
+    POINTER_FILE,
+    atomic_write_text,
+    iteration_dir,
+    latest_rollout_id,
+)
+
+META_FILE = "meta.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save(
+    save_dir: str, rollout_id: int, model: Any, optimizer: Any, scheduler: Any, *, extra: dict
+) -> Path:
+    """Save everything needed to resume after `rollout_id`; every rank must call it."""
+    path = iteration_dir(save_dir, rollout_id)
+    if _rank() == 0:
+        if path.exists():  # a re-save must not mix in files of the earlier one
+            shutil.rmtree(path)
+        (path / "dist").mkdir(parents=True)
+    _barrier()
+    model_state = model.module.sharded_state_dict()
+    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}
+    dist_checkpointing.save(state, str(path / "dist"))
+    torch.save(
+        {"scheduler": scheduler.state_dict(), "rng": _rng_state()}, path / f"rank_{_rank()}.pt"
+    )
+    _barrier()  # every rank's part exists before rank 0 declares the checkpoint complete
+    if _rank() == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        meta = {"rollout_id": rollout_id, "world_size": world, **extra}
+        atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
+        atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
+    _barrier()
+    return path
+
+
+def load(load_dir: str, model: Any, optimizer: Any, scheduler: Any) -> dict | None:
+    """Restore the latest complete checkpoint in `load_dir`; None (nothing changed) without one."""
+    rollout_id = latest_rollout_id(load_dir)
+    if rollout_id is None:
+        return None
+    path = iteration_dir(load_dir, rollout_id)
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} is incomplete (no {META_FILE}); point {POINTER_FILE} at a "
+            "complete iteration"
+        )
+    meta = json.loads((path / META_FILE).read_text())
+    model_state = model.module.sharded_state_dict()
+    template = {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True),
+    }
+    state = dist_checkpointing.load(template, str(path / "dist"))
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    own = path / f"rank_{_rank()}.pt"
+    if own.is_file() and meta["world_size"] == (
+        dist.get_world_size() if dist.is_initialized() else 1
+    ):
+        local = torch.load(own, weights_only=False)
+        scheduler.load_state_dict(local["scheduler"])
+        _set_rng_state(local["rng"])
+    return meta

@@ -1,0 +1,72 @@
+"""A Megatron model's weights under Hugging Face names: for weight sync and for HF export.
+
+Every rank walks its parameters in the same order and gathers each tensor-parallel shard (a
+collective over the tensor-parallel group), then the converter renames and re-lays it out (fused QKV
+and gated MLP split, vocabulary padding dropped), so engines receive exactly what the HF checkpoint
+holds. Pipeline parallelism is not covered: with one stage every rank holds every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles.backends.megatron_utils.convert import megatron_to_hf_named
+from miles.backends.megatron_utils.tp_sharding import gather_tp_param
+
+logger = logging.getLogger(__name__)
+
+
+def iter_hf_tensors(
+    model: torch.nn.Module, hf_config: Any, dtype: torch.dtype | None, tp_group: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of `model` (an unwrapped GPTModel); every rank must drain it.
+
+    Floating tensors are cast before the gather, so the gather moves engine-dtype bytes.
+    """
+    for name, param in model.named_parameters():
+        local = param.detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
+        full = gather_tp_param(name, local, hf_config, group=tp_group)
+        yield from megatron_to_hf_named(name, full, hf_config)
+
+
+def export_hf_directory(
+    model: torch.nn.Module,
+    out_dir: str | Path,
+    *,
+    hf_config: Any,
+    tokenizer_path: str | None,
+    dtype: torch.dtype,
+    tp_group: Any = None,
+) -> None:
+    """Write a directory `AutoModelForCausalLM.from_pretrained` loads; every rank calls it."""
+    tensors = {name: t.cpu() for name, t in iter_hf_tensors(model, hf_config, dtype, tp_group)}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        missing, unexpected = hf_model.load_state_dict(tensors, strict=False)
+        # A tied lm_head is not a separate tensor in either model.
+        missing = [
+            m for m in missing if not (m == "lm_head.weight" and hf_config.tie_word_embeddings)
+        ]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"converted weights do not match the HF model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}"
+            )
+        hf_model.save_pretrained(out)
+        if tokenizer_path is not None:
+            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
+        logger.info("exported %d tensors (%s) to %s", len(tensors), dtype, out)
+    if dist.is_initialized():
+        dist.barrier()

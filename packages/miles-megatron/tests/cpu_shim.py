@@ -1,0 +1,96 @@
+"""Test-only shim: lets megatron-core's tensor-parallel GPTModel (local layer spec) run forward and
+backward on CPU processes joined by gloo, so the Megatron backend's numerics are tested without a GPU.
+
+The backend itself is GPU-only (`require_gpu`); nothing outside tests imports this module. Three
+things in megatron-core assume CUDA even when every tensor is on the CPU, found by running a
+tensor-parallel-2 forward and backward until nothing broke; each is patched here and nothing else:
+
+1. `torch.cuda.current_device()`: megatron passes it as `device=` for every buffer it allocates
+   (parameters, rotary frequencies, all-gather outputs, the attention scores buffer). Making it
+   return the CPU device keeps those allocations where the model lives. (Returning 0 would not do:
+   `device=0` means cuda:0.)
+2. The CUDA RNG tracker: attention dropout runs inside `get_cuda_rng_tracker().fork()`, which
+   swaps CUDA generator states, and `model_parallel_cuda_manual_seed` seeds them. Megatron's own
+   inference tracker (fork() is a no-op context, add() records nothing) is installed instead, so
+   both calls go through; dropout is 0 in these models, so no random stream is lost.
+3. `get_default_causal_mask`: with `attention_mask=None` and a causal layer spec, megatron's
+   torch softmax builds the causal mask with `device="cuda"`; the patch builds the same mask on
+   the CPU. Passing `attention_mask=None` on CPU thus tests the exact call the GPU path makes.
+
+Each patch is applied only where CUDA is absent, so the same tests run unpatched on a GPU machine.
+Use: call `install_megatron_cpu_shim()` first in a worker run by this module's `run_distributed`
+(which preloads megatron-core in the fork server), or `with megatron_on_cpu():` in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+
+from miles.backends.training_utils.testing import DEFAULT_PRELOAD
+from miles.backends.training_utils.testing import run_distributed as _run_distributed
+
+# What the gloo workers' fork server imports once: megatron-core and transformers take many seconds
+# to import on a busy CI machine, and every worker of every test would otherwise pay it again.
+MEGATRON_PRELOAD = (
+    *DEFAULT_PRELOAD,
+    "transformers",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.tensor_parallel",
+)
+
+run_distributed = partial(_run_distributed, preload=MEGATRON_PRELOAD)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    # Same as megatron.core.transformer.utils.get_default_causal_mask, without device="cuda":
+    # True above the diagonal = a query may not attend to a later key.
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def install_megatron_cpu_shim() -> Callable[[], None]:
+    """Apply the three patches of the module docstring for the rest of this process (a
+    run_distributed worker, which exits when its function returns); a no-op where CUDA is
+    available. Returns the function that undoes them."""
+    if torch.cuda.is_available():
+        return lambda: None
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as tp_random
+
+    saved_current_device = torch.cuda.current_device
+    saved_causal_mask = fused_softmax.get_default_causal_mask
+    saved_tracker = (
+        tp_random._CUDA_RNG_STATE_TRACKER,
+        tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
+    torch.cuda.current_device = _cpu_current_device
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def undo() -> None:
+        torch.cuda.current_device = saved_current_device
+        fused_softmax.get_default_causal_mask = saved_causal_mask
+        tp_random._CUDA_RNG_STATE_TRACKER, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
+            saved_tracker
+        )
+
+    return undo
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """The shim for the duration of the block, undone on exit."""
+    undo = install_megatron_cpu_shim()
+    try:
+        yield
+    finally:
+        undo()
