@@ -1,9 +1,9 @@
 """`FSDPTrainRayActor`: one rank of the FSDP2 training backend (the contract of DESIGN §3.1).
 
 Rank 0 alone reads the Hugging Face checkpoint; the other ranks build the model on the meta device
-and receive their shards from rank 0. Micro-batches are packed into one row per forward and kept
-apart by a block-diagonal causal mask (sdpa, eager) or by restarting position ids (flash
-attention), so no token ever attends across documents. Not supported: critic, LoRA, context
+and receive their shards from rank 0. Micro-batches are packed; sdpa and eager run their documents
+as the rows of a right-padded batch, flash attention runs the packed row with restarting position
+ids, so no token ever attends across documents. Not supported: critic, LoRA, context
 parallelism (FSDPArgs or `init` refuses each, naming its flag).
 """
 
@@ -155,6 +155,7 @@ class FSDPTrainRayActor(TrainRayActor):
         self.global_step = 0
         self._updater: UpdateWeightFromTensor | UpdateWeightFromDistributed | None = None
         self._asleep = False
+        self._old_is_current = False  # set per rollout by _prepare
         return self._resume()
 
     def _build_model(self, mesh: DeviceMesh, *, trainable: bool) -> nn.Module:
@@ -201,7 +202,7 @@ class FSDPTrainRayActor(TrainRayActor):
         batch = _resolve(data_ref)
         n = batch_size(batch)
         num_steps = self._num_steps(n)
-        self._prepare(batch)
+        self._prepare(batch, num_steps)
         per_step = n // num_steps
         metrics = []
         for step in range(num_steps):
@@ -241,10 +242,18 @@ class FSDPTrainRayActor(TrainRayActor):
             )
         return total // gbs
 
-    def _prepare(self, batch: RolloutBatch) -> None:
-        """Old-policy and reference log-probs, then advantages, for the whole local batch."""
+    def _prepare(self, batch: RolloutBatch, num_steps: int) -> None:
+        """Old-policy and reference log-probs, then advantages, for the whole local batch.
+
+        With one optimizer step per rollout the old policy *is* the current one when the step
+        starts, so its log-probs are taken from the step's own forward (detached) instead of a
+        second forward pass over the batch; a reward KL still needs them up front.
+        """
         loss = self.args.loss
-        if loss.loss_type != "sft_loss":
+        self._old_is_current = (
+            num_steps == 1 and not self.args.fsdp.use_rollout_logprobs and not loss.kl_coef
+        )
+        if loss.loss_type != "sft_loss" and not self._old_is_current:
             if self.args.fsdp.use_rollout_logprobs:
                 if "rollout_log_probs" not in batch:
                     raise ValueError(
@@ -316,7 +325,9 @@ class FSDPTrainRayActor(TrainRayActor):
         loss = self.args.loss
         if loss.loss_type == "sft_loss":
             return ("loss_masks",)
-        keys = ["loss_masks", "log_probs", "advantages"]
+        keys = ["loss_masks", "advantages"]
+        if not self._old_is_current:
+            keys.insert(1, "log_probs")  # the old policy's, computed in _prepare
         if loss.use_kl_loss:
             keys.append("ref_log_probs")
         if loss.off_policy_correction is not None:
@@ -346,6 +357,8 @@ class FSDPTrainRayActor(TrainRayActor):
                 inputs["old_log_probs" if key == "log_probs" else key] = tensors[key].to(
                     self.device
                 )
+            if self._old_is_current and self.args.loss.loss_type != "sft_loss":
+                inputs["old_log_probs"] = log_probs.detach()  # ratio 1: the step's start policy
             loss, metrics = loss_function(inputs, self.args.loss, normalizer)
             loss.backward()
             pairs.append(metrics)

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
-from miles.backends.training_utils.packing import PackedBatch, attention_mask_from_cu_seqlens
+from miles.backends.training_utils.packing import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -122,22 +122,25 @@ def packed_logits(
 ) -> torch.Tensor:
     """(T, V) logits of a packed row, each document attending only to itself.
 
-    flash_attention_2 finds document boundaries in the restarting position ids (varlen kernels,
-    as transformers does); sdpa and eager get a 4-D block-diagonal causal mask: boolean for sdpa,
-    additive for eager, which adds the mask to the scores.
+    flash_attention_2 runs the packed row as is and finds document boundaries in the restarting
+    position ids (varlen kernels, as transformers does). sdpa and eager run the documents as the
+    rows of a right-padded batch instead: causal attention never lets a position see the padding
+    after it, so no mask is needed, and the cost is sum of L_i^2 rather than the (sum L_i)^2 of a
+    block-diagonal mask over the packed row. The logits come back in the packed row's layout.
     """
-    input_ids = packed.input_ids.to(device)  # (1, T)
-    position_ids = packed.position_ids.to(device)  # (1, T)
-    kwargs: dict[str, torch.Tensor] = {}
-    if attn_implementation != "flash_attention_2":
-        allowed = attention_mask_from_cu_seqlens(packed.cu_seqlens, packed.total_length)  # (T, T)
-        mask = allowed[None, None].to(device)  # (1, 1, T, T)
-        if attn_implementation == "eager":
-            blocked = torch.finfo(torch.float32).min
-            mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, blocked)
-        kwargs["attention_mask"] = mask
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
-    return out.logits[0]  # (T, V)
+    if attn_implementation == "flash_attention_2":
+        input_ids = packed.input_ids.to(device)  # (1, T)
+        position_ids = packed.position_ids.to(device)  # (1, T)
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+    lengths = packed.cu_seqlens.diff().tolist()
+    documents = packed.input_ids[0, : int(packed.cu_seqlens[-1])].split(lengths)
+    rows = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True).to(device)  # (B, L)
+    position_ids = torch.arange(rows.shape[1], device=device).expand_as(rows)  # (B, L)
+    logits = model(input_ids=rows, position_ids=position_ids, use_cache=False).logits  # (B, L, V)
+    pieces = [logits[i, :n] for i, n in enumerate(lengths)]
+    if packed.num_pad_tokens:  # the row's trailing padding predicts nothing
+        pieces.append(logits.new_zeros(packed.num_pad_tokens, logits.shape[-1]))
+    return torch.cat(pieces)  # (T, V)
 
 
 def response_positions(packed: PackedBatch) -> torch.Tensor:

@@ -1,0 +1,351 @@
+"""End to end GRPO, miles against TRL's `GRPOTrainer`: seconds per RL step on one workload.
+
+Both run the same tiny Qwen3 checkpoint (built locally, byte-level tokenizer), the same prompts
+(the CPU demo's max(a,b) task), samples per prompt, response length, learning rate, exact-match
+reward (miles's own `exact_match` function on both sides) and temperature 1.0, with one optimizer
+step per rollout and no reference model / KL. miles runs in-process on real Ray (one FSDP train
+rank, one reference engine, disaggregated); TRL runs afterwards in the same process on CPU
+(transformers `generate`, no vLLM). The script prints seconds per RL step of each (warm-up steps
+excluded), the ratio, miles's time split and both start-up times.
+
+TRL is installed only for the benchmark (it is no dependency of the workspace):
+
+    uv run --frozen --with trl python bench/e2e_vs_trl.py [--steps 6] [--prompts 8] [--samples 8]
+
+Checked with trl 1.16.0 on the locked transformers 5.24 (`--with trl` resolves it; pin it as
+`--with trl==1.16.0` if a newer trl breaks). `--skip-trl` runs miles alone without it.
+
+What differs between the two, by design of each framework (not of this script):
+- miles runs generation and training in separate processes (engine + train actor) that take turns,
+  each with one torch thread (Ray sets OMP_NUM_THREADS=1 for a 1-CPU actor, and the engine inherits
+  it); TRL runs both in this process. By default TRL gets one thread too (`--trl-threads 1`), so
+  both compare at the same compute; `--trl-threads 0` gives TRL torch's default (all cores), which
+  on a busy machine mostly measures oversubscription (we saw 3-14 s per step on a loaded 2-core box).
+- miles by default recomputes the old-policy log-probs with the trainer (one extra forward pass)
+  before the step; TRL skips it when num_iterations == 1. `--miles-flag=--use-rollout-logprobs`
+  makes miles use the engine's log-probs instead, which removes that pass.
+- miles trains on packed micro-batches of up to --max-tokens-per-gpu tokens (default here 4096: the
+  whole rollout in one row) and, with sdpa on CPU, gives them a dense (T, T) block-diagonal mask,
+  so attention costs grow with T^2; TRL pads each sample to the batch's longest one.
+- miles pushes the new weights to the engine after every step (`time/update_weights_s`); TRL
+  generates with the model it trains, so it has no weight sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_prompts(path: Path) -> list[dict[str, str]]:
+    """Every ordered pair of distinct digits, "max(a,b)=" -> the larger one (90 rows)."""
+    rows = [
+        {"input": f"max({a},{b})=", "label": str(max(a, b))}
+        for a, b in itertools.product(range(10), repeat=2)
+        if a != b
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+# -- miles ---------------------------------------------------------------------------------------
+
+
+def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path) -> dict[str, Any]:
+    import ray
+
+    from miles.config import load_config
+    from miles.ray.run import Run
+    from miles.train import train_sync
+    from miles.utils.tracking import read_metrics
+
+    num_rollout = args.warmup + args.steps
+    config = load_config([
+        "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
+        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
+        "--rollout-max-response-len", str(args.response_len), "--rollout-temperature", "1.0",
+        "--num-rollout", str(num_rollout), "--num-steps-per-rollout", "1",
+        "--rm-type", "exact_match", "--lr", str(args.lr),
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu),
+        "--output-dir", str(out), "--console", "plain", "--log-level", "WARNING",
+        *args.miles_flag,
+    ])  # fmt: skip
+    begin = time.perf_counter()
+    with Run(config) as run:
+        started = time.perf_counter()
+        train_sync(run)
+        looped = time.perf_counter()
+    closed = time.perf_counter()
+    ray.shutdown()
+
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "time/step_s" in r]
+    measured = steps[args.warmup :]
+    in_steps = sum(r["time/step_s"] for r in steps)
+
+    def series(key: str) -> list[float]:
+        return [float(r.get(key, 0.0)) for r in measured]
+
+    step_s = series("time/step_s")
+    generate = series("time/generate_s")
+    manager = series("rollout/time_s")  # inside the rollout manager: generation + rewards + data
+    engine = series("rollout/generate_time_s")  # requests to the engine (rewards overlap them)
+    train = series("time/train_s")
+    sync = series("time/update_weights_s")
+    split = {
+        "generate (driver view)": generate,
+        "  engine requests + rewards": engine,
+        "  train-data build in manager": [m - e for m, e in zip(manager, engine, strict=True)],
+        "  Ray call + object transfer": [g - m for g, m in zip(generate, manager, strict=True)],
+        "train (old logp + fwd/bwd + optim)": train,
+        "weight sync": sync,
+        "other (loop, logging, ...)": [
+            s - g - t - w for s, g, t, w in zip(step_s, generate, train, sync, strict=True)
+        ],
+    }
+    return {
+        "step_s": summarize(step_s),
+        "split_median_s": {k: statistics.median(v) for k, v in split.items()},
+        "warmup_step_s": [r["time/step_s"] for r in steps[: args.warmup]],
+        "startup_s": started - begin,  # Ray + placement + engine + train actor (+ model load)
+        "initial_weight_sync_s": looped - started - in_steps,
+        "teardown_s": closed - looped,
+        "response_len_mean": statistics.fmean(series("rollout/response_len_mean")),
+        "reward_mean": statistics.fmean(series("rollout/reward_mean")),
+    }
+
+
+# -- TRL -----------------------------------------------------------------------------------------
+
+
+def exact_match_reward(completions: list[str], label: list[str], **_: Any) -> list[float]:
+    """The reward miles's `--rm-type exact_match` computes (no boxed answers in this task)."""
+    from miles.rollout.rewards.text import exact_match
+
+    return [exact_match(c, gold) for c, gold in zip(completions, label, strict=True)]
+
+
+def run_trl(args: argparse.Namespace, checkpoint: Path, rows: list[dict], out: Path) -> dict:
+    import datasets
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    if args.trl_threads:
+        torch.set_num_threads(args.trl_threads)
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": r["input"], "label": r["label"]} for r in rows]
+    )
+    batch = args.prompts * args.samples
+    config = trl.GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=batch,  # one optimizer step = one rollout
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.samples,
+        num_iterations=1,
+        gradient_checkpointing=False,  # TRL's default is True; miles's is off
+        max_completion_length=args.response_len,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_steps=args.warmup + args.steps,
+        use_vllm=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs=None, **__: Any) -> None:
+            self.logs.append(dict(logs or {}))
+
+    timer = StepTimer()
+    begin = time.perf_counter()
+    trainer = trl.GRPOTrainer(
+        model=str(checkpoint),
+        reward_funcs=exact_match_reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
+    built = time.perf_counter()
+    phases = _time_trl_phases(trainer)
+    trainer.train()
+
+    # Consecutive step ends: everything of a step (data, generation, loss, optimizer, logging).
+    step_s = [b - a for a, b in zip(timer.ends, timer.ends[1:], strict=False)]
+    measured = step_s[args.warmup :]
+    split = {}
+    if phases:
+        for name, times in phases.items():
+            split[name] = statistics.median(times[args.warmup :])
+        generation = phases["generate + score (+ logprobs)"][args.warmup :]
+        split["train (fwd/bwd + optim)"] = statistics.median(
+            s - g for s, g in zip(measured, generation, strict=True)
+        )
+    lengths = [log["completions/mean_length"] for log in timer.logs if "completions/mean_length" in log]  # fmt: skip
+    rewards = [log["reward"] for log in timer.logs if "reward" in log]
+    return {
+        "version": trl.__version__,
+        "step_s": summarize(measured),
+        "split_median_s": split,
+        "warmup_step_s": step_s[: args.warmup],
+        "startup_s": built - begin,
+        "response_len_mean": statistics.fmean(lengths[args.warmup :]) if lengths else float("nan"),
+        "reward_mean": statistics.fmean(rewards[args.warmup :]) if rewards else float("nan"),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _time_trl_phases(trainer: Any) -> dict[str, list[float]]:
+    """Wrap the trainer's generation methods with timers (TRL logs its own profiling only to
+    wandb / mlflow); empty when this TRL version names them differently."""
+    names = {
+        "generate + score (+ logprobs)": "_generate_and_score_completions",
+        "  transformers generate": "_generate",
+        "  rewards": "_calculate_rewards",
+    }
+    if not all(hasattr(trainer, method) for method in names.values()):
+        return {}
+    phases: dict[str, list[float]] = {name: [] for name in names}
+    for name, method in names.items():
+        original = getattr(trainer, method)
+
+        def timed(*a: Any, _original=original, _times=phases[name], **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(*a, **kw)
+            finally:
+                _times.append(time.perf_counter() - start)
+
+        setattr(trainer, method, timed)
+    return phases
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, model_info: str, miles: dict | None, trl: dict | None) -> None:
+    print()
+    print(f"workload: {model_info}; {args.prompts} prompts x {args.samples} samples, "
+          f"<= {args.response_len} response tokens, lr {args.lr}, 1 optimizer step per rollout; "
+          f"{args.steps} measured steps after {args.warmup} warm-up")  # fmt: skip
+    print(f"{'':34}{'median s/step':>14}{'mean':>9}{'min':>9}{'max':>9}{'resp len':>10}")
+    for name, result in (("miles", miles), (f"TRL {trl['version'] if trl else ''}", trl)):
+        if result is None:
+            continue
+        s = result["step_s"]
+        print(f"{name:34}{s['median']:>14.3f}{s['mean']:>9.3f}{s['min']:>9.3f}{s['max']:>9.3f}"
+              f"{result['response_len_mean']:>10.1f}")  # fmt: skip
+    if miles and trl:
+        ratio = miles["step_s"]["median"] / trl["step_s"]["median"]
+        verdict = "slower" if ratio > 1 else "faster"
+        print(f"ratio miles / TRL (median): {ratio:.2f}  (miles is {verdict})")
+    for name, result in (("miles", miles), ("TRL", trl)):
+        if result is None or not result["split_median_s"]:
+            continue
+        print(f"\n{name} time split (median s per step):")
+        for phase, seconds in result["split_median_s"].items():
+            print(f"  {phase:36}{seconds:>8.3f}")
+    print("\nstart-up (one-off):")
+    if miles:
+        print(f"  miles: {miles['startup_s']:.1f} s (Ray + engine + train actor), initial weight "
+              f"sync {miles['initial_weight_sync_s']:.2f} s, warm-up steps "
+              f"{[round(x, 2) for x in miles['warmup_step_s']]}, teardown "
+              f"{miles['teardown_s']:.1f} s")  # fmt: skip
+    if trl:
+        print(f"  TRL:   {trl['startup_s']:.1f} s (GRPOTrainer construction), warm-up steps "
+              f"{[round(x, 2) for x in trl['warmup_step_s']]}, torch threads "
+              f"{trl['torch_threads']}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="measured RL steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps left out")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--response-len", type=int, default=16, help="max response tokens")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=768)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=4096)
+    parser.add_argument(
+        "--miles-flag", action="append", default=[],
+        help="extra `miles train` flag, repeatable (e.g. --miles-flag=--use-rollout-logprobs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trl-threads", type=int, default=1,
+        help="torch threads for TRL: 1 (default) as each miles worker gets; 0: torch's default",
+    )  # fmt: skip
+    parser.add_argument("--skip-miles", action="store_true")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+
+    from safetensors.torch import load_file
+
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = build_tiny_checkpoint(
+            root / "ckpt", seed=0, hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,
+        )  # fmt: skip
+        params = sum(v.numel() for v in load_file(str(checkpoint / "model.safetensors")).values())
+        model_info = (
+            f"tiny Qwen3 {args.num_layers} layers, hidden {args.hidden_size}, "
+            f"ffn {args.intermediate_size}, {params / 1e6:.2f} M params (fp32)"
+        )
+        data = root / "prompts.jsonl"
+        rows = write_prompts(data)
+        miles = None if args.skip_miles else run_miles(args, checkpoint, data, root / "miles")
+        trl = None if args.skip_trl else run_trl(args, checkpoint, rows, root / "trl")
+    report(args, model_info, miles, trl)
+    if args.json:
+        args.json.write_text(json.dumps({"miles": miles, "trl": trl}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
