@@ -148,7 +148,8 @@ def test_status_is_truncated_at_the_length_limit_and_completed_on_a_stop_token(e
 
 
 class CountingPool(EnginePool):
-    """Records the most /generate requests it had in flight at once, and each finish reason."""
+    """Records the most /generate requests it had in flight at once, and each sample's finish
+    reason (a fresh group goes out as one batched request of its samples)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -162,7 +163,8 @@ class CountingPool(EnginePool):
             response = await super().generate(payload)
         finally:
             self.active -= 1
-        self.finish_reasons.append(response["meta_info"]["finish_reason"]["type"])
+        for answer in response if isinstance(response, list) else [response]:
+            self.finish_reasons.append(answer["meta_info"]["finish_reason"]["type"])
         return response
 
 

@@ -83,7 +83,7 @@ class EngineConfig:
         if frac is not None and not 0 < frac <= 1:
             raise ValueError(f"--engine-mem-fraction-static must be in (0, 1], got {frac}")
         for item in self.sglang_server_args or []:
-            key, sep, value = item.partition("=")
+            key, sep, _ = item.partition("=")
             if not sep or not key or key.startswith("-"):
                 raise ValueError(
                     f"--sglang-server-args takes key=value items without dashes (e.g. "

@@ -22,7 +22,12 @@ from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter
 from miles.rollout.rollout_config import GENERATE_FLAG, RolloutConfig
-from miles.rollout.sample_generation import GenerateFunction, generate_sample, needs_generation
+from miles.rollout.sample_generation import (
+    GenerateFunction,
+    append_response,
+    generate_sample,
+    needs_generation,
+)
 from miles.utils.import_path import load_function
 
 __all__ = ["DataSource", "RolloutConfig", "RolloutOutput", "ScoreGroups", "generate_rollout"]
@@ -196,6 +201,8 @@ class _Rollout:
             )
 
     async def _run_group(self, group: list[Sample]) -> _Outcome:
+        if self._batchable(group):
+            return await self._finish_group(group, await self._generate_group(group))
         tasks = [asyncio.create_task(self._generate(sample)) for sample in group]
         try:
             group[:] = await asyncio.gather(*tasks)
@@ -205,6 +212,10 @@ class _Rollout:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        return await self._finish_group(group, group)
+
+    async def _finish_group(self, group: list[Sample], generated: list[Sample]) -> _Outcome:
+        group[:] = generated
         if any(sample.status == SampleStatus.ABORTED for sample in group):
             return _Outcome.ABORTED
         if self.stopping:
@@ -213,6 +224,42 @@ class _Rollout:
         if self.group_filter is None or keep_group(self.group_filter, group):
             return _Outcome.KEPT
         return _Outcome.FILTERED
+
+    def _batchable(self, group: list[Sample]) -> bool:
+        """A fresh group with the default generate function goes out as one batched request:
+        the engine admits its samples together (one prefill, no trickle of single requests).
+        Behind a router, and for custom or resumed samples, each sample is its own request."""
+        return (
+            self.generate_fn is generate_sample
+            and self.pool.router_url is None
+            and all(s.response_length == 0 and s.status != SampleStatus.ABORTED for s in group)
+        )
+
+    async def _generate_group(self, group: list[Sample]) -> list[Sample]:
+        async with self.slots:
+            if self.stopping:  # the batch filled while this group waited for a slot
+                for sample in group:
+                    sample.status = SampleStatus.ABORTED
+                return group
+            params = [
+                {
+                    **self.base_params,
+                    "sampling_seed": self.config.sampling_seed(s.index, s.response_length),
+                }
+                for s in group
+            ]
+            payload = {
+                "input_ids": [s.tokens for s in group],
+                "sampling_params": params,
+                "return_logprob": True,
+            }
+            responses = await self.pool.generate(payload)
+        if not isinstance(responses, list) or len(responses) != len(group):
+            raise ValueError(
+                f"a batched /generate of {len(group)} prompts answered "
+                f"{type(responses).__name__} of {len(responses) if isinstance(responses, list) else 1}"
+            )
+        return [append_response(s, r) for s, r in zip(group, responses, strict=True)]
 
     async def _generate(self, sample: Sample) -> Sample:
         if not needs_generation(sample):
