@@ -169,7 +169,7 @@ def test_missing_sglang_is_a_one_line_import_error_naming_the_extra(cpu_device, 
     assert isinstance(info.value, SGLangUnavailableError)
     message = str(info.value)
     assert "\n" not in message
-    assert "uv pip install 'sglang[all]'" in message
+    assert "uv pip install 'miles-sglang[sglang]'" in message
     assert "--rollout-engine reference" in message and "sglang not installed" in message
 
 

@@ -57,9 +57,14 @@ def build_fsdp_model(
     model.config.use_cache = False
     if gradient_checkpointing and trainable:
         # Non-reentrant: it composes with FSDP2's autograd hooks (the reentrant one does not).
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     options = {"mesh": mesh, "mp_policy": precision.mixed_precision(), "offload_policy": offload}
     for layer in _decoder_layers(model):

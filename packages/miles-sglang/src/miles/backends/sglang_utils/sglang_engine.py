@@ -61,8 +61,8 @@ def require_sglang() -> None:
     if installed and kind in _GPU_KINDS:
         return
     raise SGLangUnavailableError(
-        "the SGLang engine needs SGLang installed as its docs say (`uv pip install 'sglang[all]'`, "
-        "which brings its own torch build) on a CUDA or ROCm GPU machine; use --rollout-engine "
+        "the SGLang engine needs SGLang on a CUDA or ROCm GPU machine: `uv pip install "
+        "'miles-sglang[sglang]'` (which brings SGLang's own torch build); use --rollout-engine "
         "reference on CPU "
         f"(found: sglang {'installed' if installed else 'not installed'}, device {kind})"
     )
