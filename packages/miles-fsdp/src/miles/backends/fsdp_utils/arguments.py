@@ -11,7 +11,6 @@ import difflib
 import functools
 import importlib.util
 import logging
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from miles.backends.training_utils.device import get_device_info
+from miles.config.options import convert
 
 logger = logging.getLogger(__name__)
 
@@ -307,46 +307,6 @@ def _parse_argv(argv: list[str]) -> dict[str, Any]:
 
 def _convert(value: Any, annotation: Any, where: str) -> Any:
     """`value` (from YAML or a command-line string) as the field's type, or a ValueError."""
-    if isinstance(annotation, types.UnionType) and type(None) in get_args(annotation):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        (annotation,) = (a for a in get_args(annotation) if a is not type(None))
     if _literal_choices(annotation):
         return str(value)  # membership is checked, with the choices listed, in __post_init__
-    converter, expected = _CONVERTERS[annotation]
-    try:
-        return converter(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"FSDP setting {where}: expected {expected}, got {value!r}") from None
-
-
-def _to_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(value)
-
-
-def _to_int(value: Any) -> int:
-    # bool is an int subclass, and float("1e3") would truncate silently: accept neither.
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(value)
-    return int(value)
-
-
-def _to_float(value: Any) -> float:
-    # PyYAML reads `1e-6` (no dot) as a string, so strings are parsed too.
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise TypeError(value)
-    return float(value)
-
-
-_CONVERTERS: dict[Any, tuple[Any, str]] = {
-    bool: (_to_bool, "true or false"),
-    int: (_to_int, "an integer"),
-    float: (_to_float, "a number"),
-}
+    return convert(value, annotation, f"FSDP setting {where}")
