@@ -207,3 +207,8 @@ def test_config_reference_is_generated_from_the_schema(page):
         f"{page}'s config reference is stale: run `uv run python -m miles.config.docs --write "
         "packages/miles/README.md docs/configuration.md`"
     )
+
+
+def test_async_is_a_short_spelling_of_async_train():
+    config = load("--async", "--off-policy-correction", "tis", "--rollout-num-gpus", "1")
+    assert config.training.async_train is True

@@ -112,7 +112,7 @@ class TrainingConfig:
     """Seed of the trainer's and the rollout's random number generators."""
     async_train: bool = False
     """Overlap generation of the next rollout with training (one step off-policy); needs
-    --off-policy-correction and separate devices (no --colocate)."""
+    --off-policy-correction and separate devices (no --colocate). Also spelled --async."""
     debug_rollout_only: bool = False
     """Generate and score rollouts without training (engines only)."""
     debug_train_only: bool = False

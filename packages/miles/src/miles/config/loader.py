@@ -60,15 +60,20 @@ def build_parser(schema: Schema, prog: str = "miles train") -> argparse.Argument
     return parser
 
 
+# Short spellings users know from other tools; the field name cannot be a Python keyword.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"async_train": ("--async",)}
+
+
 def _add_option(section: argparse._ArgumentGroup, option: Option) -> None:
     help_text = option.doc.replace("%", "%%")
     if option.required:
         help_text += " (required)"
     else:
         help_text += f" (default: {option.default})".replace("%", "%%")
+    flags = (option.flag, *FLAG_ALIASES.get(option.name, ()))
     if option.is_bool:
         section.add_argument(
-            option.flag, action=argparse.BooleanOptionalAction, help=help_text, dest=option.name
+            *flags, action=argparse.BooleanOptionalAction, help=help_text, dest=option.name
         )
         return
     metavar = "{" + ",".join(map(str, option.choices)) + "}" if option.choices else None
