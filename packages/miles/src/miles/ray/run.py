@@ -288,6 +288,8 @@ class Run:
         eval_ = self.config.eval
         if not eval_.eval_datasets or self.config.training.debug_train_only:
             return
+        if before_training and self.start_rollout_id > 0:
+            return  # resumed: the run already evaluated these weights after rollout start - 1
         done = rollout_id + 1
         due = before_training or done == self.num_rollout
         due = due or bool(eval_.eval_interval and done % eval_.eval_interval == 0)
