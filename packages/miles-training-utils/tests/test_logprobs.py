@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
@@ -30,6 +30,8 @@ def _reference(logits: np.ndarray, tokens: np.ndarray, temperature: float):
     scale=st.sampled_from([1.0, 30.0, 300.0]),
     seed=st.integers(0, 2**31 - 1),
 )
+# Large tempered logits, found by CI: float32 entropy is off by 1.5e-5 there.
+@example(num_tokens=24, vocab=34, chunk_size=1, temperature=0.3, scale=300.0, seed=398515648)
 def test_matches_float64_reference_for_any_chunking(
     num_tokens, vocab, chunk_size, temperature, scale, seed
 ):
@@ -44,7 +46,11 @@ def test_matches_float64_reference_for_any_chunking(
     np.testing.assert_allclose(
         log_probs.numpy(), ref_lp, rtol=1e-5, atol=1e-4 * max(1.0, scale / 30)
     )
-    np.testing.assert_allclose(entropy.numpy(), ref_ent, rtol=1e-5, atol=1e-5)
+    # float32 keeps ~7 digits of the tempered logits (|logits| / T up to ~3000 here), so the
+    # entropy's absolute error grows with their magnitude like the log-probs' does.
+    np.testing.assert_allclose(
+        entropy.numpy(), ref_ent, rtol=1e-5, atol=1e-5 * max(1.0, scale / (30 * temperature))
+    )
 
 
 @settings(max_examples=30, deadline=None)
