@@ -212,3 +212,15 @@ def test_config_reference_is_generated_from_the_schema(page):
 def test_async_is_a_short_spelling_of_async_train():
     config = load("--async", "--off-policy-correction", "tis", "--rollout-num-gpus", "1")
     assert config.training.async_train is True
+
+
+def test_every_sglang_server_flag_passes_through_as_sglang_flag():
+    config = load(
+        "--sglang-context-length", "8192", "--sglang-enable-metrics",
+        "--sglang-server-args", "chunked-prefill-size=4096",
+    )  # fmt: skip
+    assert config.engine.sglang_extra_args == {
+        "chunked-prefill-size": "4096",
+        "context-length": "8192",
+        "enable-metrics": True,
+    }

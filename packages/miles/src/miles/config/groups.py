@@ -74,8 +74,9 @@ class EngineConfig:
     engine_log_dir: str | None = None
     """Write each engine's output to a file here (default: the run's output directory)."""
     sglang_server_args: list[str] | None = None
-    """Further SGLang server flags as key=value, passed through verbatim: `--sglang-server-args
-    context-length=8192 chunked-prefill-size=4096`; an error with the reference engine."""
+    """Further SGLang server flags as key=value (or key for a switch), passed through verbatim;
+    on the command line also as `--sglang-<flag> [value]` (e.g. --sglang-context-length 8192).
+    An error with the reference engine."""
 
     def __post_init__(self) -> None:
         _at_least(self.engine_max_running_requests, 1, "--engine-max-running-requests")
@@ -83,12 +84,21 @@ class EngineConfig:
         if frac is not None and not 0 < frac <= 1:
             raise ValueError(f"--engine-mem-fraction-static must be in (0, 1], got {frac}")
         for item in self.sglang_server_args or []:
-            key, sep, _ = item.partition("=")
-            if not sep or not key or key.startswith("-"):
+            key = item.partition("=")[0]
+            if not key or key.startswith("-"):
                 raise ValueError(
-                    f"--sglang-server-args takes key=value items without dashes (e.g. "
-                    f"context-length=8192), got {item!r}"
+                    f"--sglang-server-args takes key=value (or key) items without dashes, e.g. "
+                    f"context-length=8192; got {item!r}"
                 )
+
+    @property
+    def sglang_extra_args(self) -> dict[str, str | bool | list[str]]:
+        """The items as SGLang flag values: a switch is True, "a b" a list of values."""
+        extra: dict[str, str | bool | list[str]] = {}
+        for item in self.sglang_server_args or []:
+            key, sep, value = item.partition("=")
+            extra[key] = True if not sep else value.split() if " " in value else value
+        return extra
         if self.engine_startup_timeout_s <= 0:
             raise ValueError(
                 f"--engine-startup-timeout-s must be positive, got {self.engine_startup_timeout_s}"

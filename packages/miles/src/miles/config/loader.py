@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from miles.backends.sglang_utils.sglang_engine import sglang_args_from_cli
 from miles.config.groups import ClusterConfig
 from miles.config.options import Option, convert
 from miles.config.schema import BACKEND_GROUP, CORE_GROUPS, MilesConfig, Schema
@@ -24,7 +25,8 @@ DEFAULT_BACKEND = ClusterConfig.train_backend
 
 def load_config(argv: Sequence[str] = ()) -> MilesConfig:
     """The validated configuration of `miles train ARGV...` (no `--help` handling)."""
-    argv = list(argv)
+    # Every SGLang server flag passes through as --sglang-<flag> (DESIGN §3.2, the SGLang engine).
+    sglang_flags, argv = sglang_args_from_cli(list(argv), miles_flags={"--sglang-server-args"})
     config_path = _peek_flag(argv, "--config")
     file_values = read_yaml(config_path) if config_path else {}
     backend = _peek_flag(argv, "--train-backend") or str(
@@ -33,7 +35,17 @@ def load_config(argv: Sequence[str] = ()) -> MilesConfig:
     schema = Schema.for_backend(backend)
     values = _check_yaml(schema, file_values, config_path)
     values.update(parse_flags(schema, argv))
+    if sglang_flags:
+        passed = [_as_item(name, value) for name, value in sglang_flags.items()]
+        values["sglang_server_args"] = [*(values.get("sglang_server_args") or []), *passed]
     return MilesConfig.from_values(schema, values)
+
+
+def _as_item(name: str, value: Any) -> str:
+    """`--sglang-<name> value` as a --sglang-server-args item: name=value, or name for a switch."""
+    if value is True:
+        return name
+    return f"{name}={' '.join(value) if isinstance(value, list) else value}"
 
 
 def build_parser(schema: Schema, prog: str = "miles train") -> argparse.ArgumentParser:

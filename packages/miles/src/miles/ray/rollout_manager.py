@@ -121,9 +121,7 @@ class RolloutManager:
                 "random_seed": config.training.seed + i,
                 "startup_timeout_s": config.engine.engine_startup_timeout_s,
                 "log_path": str(log_dir / f"engine_{i}.log"),
-                "extra_args": dict(
-                    item.split("=", 1) for item in config.engine.sglang_server_args or []
-                ),
+                "extra_args": config.engine.sglang_extra_args,
             }
             self.engine_actors.append(actor)
             starts.append(actor.start.remote(engine, spec))

@@ -46,8 +46,9 @@ class EngineLaunchSpec:
     """How long `start` waits for the engine's health endpoint."""
     log_path: str | None = None
     """File for the engine's output (None: inherit the caller's)."""
-    extra_args: dict[str, str] = field(default_factory=dict)
-    """SGLang only: other server flags without dashes ({"context-length": "4096"})."""
+    extra_args: dict[str, str | bool | list[str]] = field(default_factory=dict)
+    """SGLang only: other server flags without dashes ({"context-length": "4096"}; True for a
+    switch, a list for several values)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
