@@ -490,7 +490,5 @@ class FSDPTrainRayActor(TrainRayActor):
     def close(self) -> None:
         """Leave the engines' weight-update group (disaggregated) and close engine clients."""
         if self._updater is not None:
-            self._updater.close()
-            for client in self._updater.clients:
-                client.close()
+            self._updater.shutdown()
             self._updater = None

@@ -347,9 +347,7 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def close(self) -> None:
         if self._updater is not None:
-            self._updater.close()
-            for client in self._updater.clients:
-                client.close()
+            self._updater.shutdown()
             self._updater = None
 
 

@@ -115,6 +115,12 @@ class WeightUpdater:
     def close(self) -> None:
         """Release what the transport holds (nothing for the colocated one)."""
 
+    def shutdown(self) -> None:
+        """Close the transport and the engine clients: the updater is done for good."""
+        self.close()
+        for client in self.clients:
+            client.close()
+
 
 class UpdateWeightFromTensor(WeightUpdater):
     """Colocated engines: hand buckets over by shared memory (CPU) or CUDA IPC handles."""
