@@ -10,6 +10,7 @@ critic, weight sync and HF export with pipeline parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from miles.backends.megatron_utils.model_provider import (
     require_gpu,
     transformer_config_from_hf,
 )
+from miles.backends.megatron_utils.offload import StorageOffloader
 from miles.backends.megatron_utils.parallel import initialize_megatron_parallel
 from miles.backends.megatron_utils.weights import export_hf_directory, iter_hf_tensors
 from miles.backends.sglang_utils.client import SyncEngineClient
@@ -131,6 +133,7 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weight_version, self.global_step = 0, 0
         self._updater: UpdateWeightFromTensor | UpdateWeightFromDistributed | None = None
         self._asleep = False
+        self._offloader = StorageOffloader(self.device)
         return self._resume()
 
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
@@ -175,8 +178,7 @@ class MegatronTrainRayActor(TrainRayActor):
         return mpu.get_data_parallel_world_size()
 
     def train(self, rollout_id: int, data_ref: Any) -> list[dict[str, float]]:
-        if self._asleep:
-            raise RuntimeError("train() while asleep: call wake_up() first")
+        self._require_awake("train")
         batch: RolloutBatch = data_ref
         n = batch_size(batch)
         num_steps = n * self.dp_size // self.args.global_batch_size
@@ -271,6 +273,7 @@ class MegatronTrainRayActor(TrainRayActor):
         )
 
     def logprob_gap(self, data_ref: Any) -> float:
+        self._require_awake("logprob_gap")
         batch: RolloutBatch = data_ref
         ours = self._forward_log_probs(self.model, batch)
         gap = sum(
@@ -287,6 +290,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def save_model(self, rollout_id: int) -> None:
         if not self.args.save:
             raise ValueError("save_model() needs a checkpoint directory: set --save")
+        self._require_awake("save_model")
         checkpoint.save(
             self.args.save, rollout_id, self.model, self.optimizer, self.scheduler,
             extra={"weight_version": self.weight_version, "global_step": self.global_step,
@@ -294,9 +298,11 @@ class MegatronTrainRayActor(TrainRayActor):
         )  # fmt: skip
 
     def export_hf(self, path: str | Path) -> None:
+        self._require_awake("export_hf")
         export_hf_directory(
             self.model.module, path, hf_config=self.hf_config,
             tokenizer_path=self.args.hf_checkpoint, dtype=self._engine_dtype(),
+            tp_group=mpu.get_tensor_model_parallel_group(),
         )  # fmt: skip
 
     def _engine_dtype(self) -> torch.dtype:
@@ -308,7 +314,12 @@ class MegatronTrainRayActor(TrainRayActor):
         if self._updater is None:
             self._updater = self._make_updater()
         self.weight_version += 1
-        self._updater.update(str(self.weight_version))
+        # Colocated, the loop updates the engines while the trainer sleeps (the engines hold the
+        # device then): the weights visit the device for the send and are freed again.
+        params = list(self.model.module.parameters())
+        visit = self._offloader.visiting(params) if self._asleep else contextlib.nullcontext()
+        with visit:
+            self._updater.update(str(self.weight_version))
 
     def _make_updater(self) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
         urls = self.args.engine_urls if self.rank == 0 else []
@@ -329,26 +340,48 @@ class MegatronTrainRayActor(TrainRayActor):
         )  # fmt: skip
 
     def sleep(self) -> None:
-        self._move(torch.device("cpu"))
+        """Free this rank's device memory (weights, gradients, optimizer state, reference model);
+        the contents wait in host memory until `wake_up`. A no-op while asleep."""
+        if self._asleep:
+            return
+        keep = [*self.model.module.parameters(), *self.model.module.buffers()]
+        if self.ref_model is not None:
+            keep += [*self.ref_model.parameters(), *self.ref_model.buffers()]
+        keep += _optimizer_tensors(self.optimizer)
+        # Megatron's DDP accumulates into `main_grad` views of its grad buffers; zeroed anyway
+        # before the next step, so they are freed without a copy.
+        grads = [getattr(p, "main_grad", None) for p in self.model.module.parameters()]
+        self._offloader.offload(keep, discard=[g for g in grads if g is not None])
         self._asleep = True
 
     def wake_up(self) -> None:
-        self._move(self.device)
-        self._asleep = False
+        """Bring back what `sleep` freed. A no-op while awake (the loop wakes the trainer before
+        every train step, also the first)."""
+        if self._asleep:
+            self._offloader.reload()
+            self._asleep = False
 
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state_dict().get("state", {}).values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    def _require_awake(self, call: str) -> None:
+        # An offloaded tensor has no memory behind it: reading one would crash the process.
+        if self._asleep:
+            raise RuntimeError(f"{call}() while the trainer sleeps: call wake_up() first")
 
     def close(self) -> None:
         if self._updater is not None:
             self._updater.shutdown()
             self._updater = None
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """Master weights and moments of a Megatron optimizer (chained or single)."""
+    tensors = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            tensors += group["params"]
+        for state in inner.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
 
 
 def _total_steps(args: Any) -> int | None:
