@@ -76,7 +76,9 @@ def run_distributed(
             target=_worker,
             args=(fn, rank, world_size, init_method, timeout_s, args, writer),
             name=f"miles-test-rank{rank}",
-            daemon=True,
+            # Not daemonic: code under test may start processes of its own (Megatron's checkpoint
+            # writer does). Workers never outlive this call: the `finally` below kills them.
+            daemon=False,
         )
         process.start()
         writer.close()  # only the child holds the write end: a dead child reads as EOF

@@ -1,0 +1,53 @@
+"""The gloo test harness itself: failures and hangs are reported with each rank's story, and a
+worker may start processes of its own (Megatron's checkpoint writer does)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch.distributed as dist
+
+from miles.backends.training_utils.testing import DistributedWorkerError, run_distributed
+
+
+def _rank_and_size(rank: int) -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _fails_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    return rank
+
+
+def _hangs(rank: int) -> None:
+    time.sleep(600)
+
+
+def _uses_a_manager(rank: int) -> list[int]:
+    with multiprocessing.get_context("spawn").Manager() as manager:
+        shared = manager.list()
+        shared.append(rank)
+        return list(shared)
+
+
+def test_each_rank_joins_one_group_and_results_come_back_by_rank():
+    assert run_distributed(_rank_and_size, 2) == [(0, 2), (1, 2)]
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(DistributedWorkerError, match=r"(?s)--- rank 1 of 2 ---.*rank 1 refuses"):
+        run_distributed(_fails_on_rank_1, 2, timeout_s=60)
+
+
+def test_a_hung_rank_is_killed_at_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedWorkerError, match="no result after 2"):
+        run_distributed(_hangs, 1, timeout_s=2)
+    assert time.monotonic() - start < 30
+
+
+def test_a_worker_may_start_processes_of_its_own():
+    assert run_distributed(_uses_a_manager, 1, timeout_s=60) == [[0]]
