@@ -20,6 +20,14 @@ tensor-parallel-2 forward and backward until nothing broke; each is patched here
 Each patch is applied only where CUDA is absent, so the same tests run unpatched on a GPU machine.
 Use: call `install_megatron_cpu_shim()` first in a worker run by this module's `run_distributed`
 (which preloads megatron-core in the fork server), or `with megatron_on_cpu():` in-process.
+
+`install_megatron_training_cpu_shim()` goes further, for tests of the whole train actor (optimizer
+step, distributed checkpoint): megatron-core's optimizer, gradient clipping, schedules and
+checkpoint writer allocate small buffers with `device="cuda"`, move tensors with `.cuda()`, call
+`torch.cuda.synchronize()`, and the distributed optimizer accepts parameters only when
+`Tensor.type()` names a CUDA type. In a worker process (never undone; the process exits) those
+allocations land on the CPU, `.cuda()` keeps the tensor where it is, synchronize is a no-op, and a
+CPU tensor reports the CUDA name of its type. Numerics are untouched.
 """
 
 from __future__ import annotations
@@ -84,6 +92,68 @@ def install_megatron_cpu_shim() -> Callable[[], None]:
         )
 
     return undo
+
+
+class TorchWithoutCuda:
+    """`torch` as megatron's modules see it: factory calls asking for "cuda" get the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(kwargs: dict) -> dict:
+        device = kwargs.get("device")
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._on_cpu(kwargs))
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._on_cpu(kwargs))
+
+    def ones(self, *args, **kwargs):
+        return torch.ones(*args, **self._on_cpu(kwargs))
+
+    def empty(self, *args, **kwargs):
+        return torch.empty(*args, **self._on_cpu(kwargs))
+
+
+# The megatron modules whose module-level `torch` allocates on "cuda" during a training step.
+_MODULES_ALLOCATING_ON_CUDA = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+)
+
+
+def install_megatron_training_cpu_shim() -> None:
+    """`install_megatron_cpu_shim()` plus the training-path patches of the module docstring, for
+    the rest of this worker process; a no-op where CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    import importlib
+
+    install_megatron_cpu_shim()
+    proxy = TorchWithoutCuda()
+    for name in _MODULES_ALLOCATING_ON_CUDA:
+        importlib.import_module(name).torch = proxy
+    tensor_type = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        if args or kwargs or self.device.type != "cpu":
+            return tensor_type(self, *args, **kwargs)
+        return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type_name
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda *args, **kwargs: None
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from miles.backends.megatron_utils.forward import pad_micro_batch
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.loss_config import LossConfig
 
-from .cpu_shim import install_megatron_cpu_shim, run_distributed
+from .cpu_shim import TorchWithoutCuda, install_megatron_cpu_shim, run_distributed
 
 ARGS = {"tensor_model_parallel_size": 2, "params_dtype": "float32",
         "make_vocab_size_divisible_by": 8, "seed": 0}  # fmt: skip
@@ -56,19 +56,6 @@ def hf_log_probs(state: dict) -> list[torch.Tensor]:
     return out
 
 
-class _TorchWithoutCuda:
-    """Test-only, like cpu_shim: the schedule allocates its token counter with device="cuda"."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, **kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
-
-
 def _worker(rank: int, state: dict) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 
@@ -81,7 +68,7 @@ def _worker(rank: int, state: dict) -> dict:
     from miles.backends.training_utils.loss import LossNormalizer
 
     keep = install_megatron_cpu_shim()  # noqa: F841 (the patches live as long as this)
-    schedules.torch = _TorchWithoutCuda()
+    schedules.torch = TorchWithoutCuda()
     args = MegatronArgs(**ARGS)
     initialize_megatron_parallel(args)
     model = build_gpt_model(CONFIG, args)

@@ -1,0 +1,163 @@
+"""What the train-actor tests on CPU (through the shim) and on a GPU share: batches, the HF
+reference, state snapshots, and a reference engine to push weights to."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+import torch.distributed as dist
+
+GLOBAL_BATCH = 4
+TEMPERATURE = 0.8
+PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the byte tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> SimpleNamespace:
+    """The namespace MegatronTrainRayActor.init reads; `megatron` overrides MegatronArgs fields."""
+    from miles.backends.megatron_utils.arguments import MegatronArgs
+    from miles.backends.training_utils.loss_config import LossConfig
+
+    settings = {"lr": 1e-3, "seed": 0, **megatron}
+    return SimpleNamespace(
+        hf_checkpoint=str(checkpoint), megatron=MegatronArgs(**settings), loss=LossConfig(),
+        rollout_temperature=TEMPERATURE, global_batch_size=GLOBAL_BATCH, n_samples_per_prompt=4,
+        num_rollout=4, rollout_batch_size=2, save=str(save_dir), load=str(save_dir),
+        engine_urls=[], colocate=True,
+    )  # fmt: skip
+
+
+def make_batch(seed: int, num_samples: int = 2 * GLOBAL_BATCH) -> dict[str, list]:
+    """Random documents of uneven length: two optimizer steps at GLOBAL_BATCH."""
+    rng = random.Random(seed)
+    batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
+    batch.update(loss_masks=[], rewards=[])
+    for _ in range(num_samples):
+        prompt, response = rng.randint(2, 7), rng.randint(2, 8)
+        tokens = [rng.randrange(256) for _ in range(prompt + response)]
+        batch["tokens"].append(tokens)
+        batch["response_lengths"].append(response)
+        batch["total_lengths"].append(len(tokens))
+        batch["loss_masks"].append([1] * response)
+        batch["rewards"].append(rng.uniform(-1, 1))
+    return batch
+
+
+def with_rollout_log_probs(model_dir: Path, batch: dict, device: torch.device) -> dict:
+    """The batch with the response log-probs a float32 engine running `model_dir` reports."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    out = []
+    for tokens, r in zip(batch["tokens"], batch["response_lengths"], strict=True):
+        ids = torch.tensor([tokens], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+        lp, _ = get_log_probs_and_entropy(
+            logits[len(tokens) - r - 1 : -1], ids[0, len(tokens) - r :], temperature=TEMPERATURE
+        )
+        out.append(lp.cpu().tolist())
+    return {**batch, "rollout_log_probs": out}
+
+
+def snapshot(actor) -> dict[str, torch.Tensor]:
+    """Parameters, master weights and Adam state, cloned to the CPU, keyed by position."""
+    state = {
+        f"param/{n}": p.detach().cpu().clone() for n, p in actor.model.module.named_parameters()
+    }
+    for i, part in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
+        inner = part.optimizer
+        for j, group in enumerate(inner.param_groups):
+            for k, main in enumerate(group["params"]):
+                state[f"main/{i}/{j}/{k}"] = main.detach().cpu().clone()
+                for key, value in inner.state.get(main, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        state[f"{key}/{i}/{j}/{k}"] = value.detach().cpu().clone()
+    return state
+
+
+def weights_of(state: dict) -> dict[str, torch.Tensor]:
+    """The model parameters of a snapshot (optimizer state appears only at the first step)."""
+    return {k: v for k, v in state.items() if k.startswith("param/")}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """The keys whose tensors differ: what a failed comparison prints."""
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@contextlib.contextmanager
+def reference_engine(model_path: Path, device: str) -> Iterator[str]:
+    """A reference engine in its own process group on a free loopback port, healthy when
+    yielded; killed at the end."""
+    port = free_port()
+    command = [sys.executable, "-m", "miles.backends.sglang_utils.reference_engine.cli",
+               "--model-path", str(model_path), "--port", str(port), "--dtype", "float32",
+               "--device", device, "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the reference engine at {url} did not become healthy")
+            time.sleep(0.25)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def engine_vs_trainer(actor, url: str) -> dict:
+    """Greedy-decode on the engine, score the same tokens on the trainer at temperature 1 (the
+    engine's greedy log-probs); every rank must call it."""
+    answer = [None]
+    if dist.get_rank() == 0:
+        body = {"input_ids": PROMPT, "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}  # fmt: skip
+        answer[0] = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    dist.broadcast_object_list(answer, src=0)  # the trainer forward is a collective
+    output, meta = answer[0]["output_ids"], answer[0]["meta_info"]
+    tokens = PROMPT + output
+    batch = {"tokens": [tokens], "response_lengths": [len(output)],
+             "total_lengths": [len(tokens)], "loss_masks": [[1] * len(output)]}  # fmt: skip
+    saved, actor.forward.temperature = actor.forward.temperature, 1.0
+    try:
+        trainer = actor._forward_log_probs(actor.model, batch)[0].float().cpu()
+    finally:
+        actor.forward.temperature = saved
+    engine = torch.tensor([item[0] for item in meta["output_token_logprobs"]])
+    return {"diff": float((trainer - engine).abs().max()), "version": meta["weight_version"]}
