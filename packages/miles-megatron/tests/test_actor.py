@@ -1,5 +1,5 @@
-"""MegatronTrainRayActor's whole life on 2 gloo processes (tensor parallel 2, float32, the
-distributed optimizer) through the training CPU shim: log-probs equal the HF model's, train steps,
+"""MegatronTrainRayActor's whole life on 2 gloo processes (tensor parallel 2, then pipeline
+parallel 2; float32, the distributed optimizer) through the training CPU shim: log-probs equal the HF model's, train steps,
 a distributed checkpoint that restores model, optimizer and schedule exactly (also into a fresh
 actor), HF export, sleep / wake-up, and weight updates to a real reference engine through both
 transports, the shared-memory one from a sleeping trainer."""
@@ -27,22 +27,24 @@ from .cpu_shim import install_megatron_training_cpu_shim, run_distributed
 
 CPU = torch.device("cpu")
 WORLD = 2
-SETTINGS = {"tensor_model_parallel_size": 2, "params_dtype": "float32",
-            "make_vocab_size_divisible_by": 8, "update_weight_buffer_size": 48 << 10}  # fmt: skip
+SETTINGS = {"params_dtype": "float32", "make_vocab_size_divisible_by": 8,
+            "update_weight_buffer_size": 48 << 10}  # fmt: skip
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
 
 
-def _actor(rank: int, checkpoint: Path, save_dir: Path):
+def _actor(rank: int, checkpoint: Path, save_dir: Path, layout: dict):
     import miles.backends.megatron_utils.actor as actor_module
 
     install_megatron_training_cpu_shim()
     actor_module.require_gpu = lambda: None  # the backend refuses CPU machines; the shim is why
     actor = actor_module.MegatronTrainRayActor(rank, WORLD, "127.0.0.1", free_port())
-    start = actor.init(make_args(checkpoint, save_dir, **SETTINGS), "actor", with_ref=False)
+    args = make_args(checkpoint, save_dir, **SETTINGS, **layout)
+    start = actor.init(args, "actor", with_ref=False)
     return actor, start
 
 
-def _life(rank: int, checkpoint: Path, save_dir: Path, url: str) -> dict:
-    actor, start = _actor(rank, checkpoint, save_dir)
+def _life(rank: int, checkpoint: Path, save_dir: Path, layout: dict, url: str) -> dict:
+    actor, start = _actor(rank, checkpoint, save_dir, layout)
     out: dict = {"start": start}
     out["gap_at_start"] = actor.logprob_gap(
         with_rollout_log_probs(checkpoint, make_batch(seed=0), CPU)
@@ -93,23 +95,23 @@ def _life(rank: int, checkpoint: Path, save_dir: Path, url: str) -> dict:
     return out
 
 
-def _fresh_resume(rank: int, checkpoint: Path, save_dir: Path) -> dict:
-    actor, start = _actor(rank, checkpoint, save_dir)
+def _fresh_resume(rank: int, checkpoint: Path, save_dir: Path, layout: dict) -> dict:
+    actor, start = _actor(rank, checkpoint, save_dir, layout)
     return {"start": start, "state": snapshot(actor)}
 
 
-@pytest.fixture(scope="module")
-def life(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def life(request, tmp_path_factory) -> dict:
     from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("megatron_actor")
     checkpoint = build_tiny_checkpoint(tmp / "hf", seed=0)
     engine_checkpoint = build_tiny_checkpoint(tmp / "engine", seed=1)  # other weights at start
-    save_dir = tmp / "save"
+    save_dir, layout = tmp / "save", LAYOUTS[request.param]
     with reference_engine(engine_checkpoint, "cpu") as url:
-        ranks = run_distributed(_life, WORLD, checkpoint, save_dir, url, timeout_s=420)
+        ranks = run_distributed(_life, WORLD, checkpoint, save_dir, layout, url, timeout_s=420)
     # The pointer names rollout 0 (the one save); a new process resumes from it.
-    fresh = run_distributed(_fresh_resume, WORLD, checkpoint, save_dir, timeout_s=240)
+    fresh = run_distributed(_fresh_resume, WORLD, checkpoint, save_dir, layout, timeout_s=240)
     return {"ranks": ranks, "fresh": fresh}
 
 
@@ -122,7 +124,8 @@ def test_a_fresh_actor_starts_at_rollout_0_with_the_hf_models_log_probs(life):
 def test_train_takes_one_step_per_global_batch_with_the_same_metrics_on_every_rank(life):
     rank0, rank1 = life["ranks"]
     assert [m["train/step"] for m in rank0["metrics"]] == [1.0, 2.0]
-    assert rank0["metrics"] == rank1["metrics"]  # tensor-parallel ranks share one loss
+    assert "train/pg_loss" in rank0["metrics"][0]  # also on a first pipeline stage
+    assert rank0["metrics"] == rank1["metrics"]  # both ranks hold one model replica
     assert all(0 < m["train/grad_norm"] < float("inf") for m in rank0["metrics"])
     assert rank0["moved"] > 0
 

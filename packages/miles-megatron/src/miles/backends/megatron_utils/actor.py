@@ -5,7 +5,7 @@ model is a GPTModel built from the Hugging Face config (Qwen2, Qwen3, Llama) and
 weights; the optimizer is Megatron's (distributed by default). Losses, advantages and their
 normalization are training-utils', exactly as in the FSDP backend. GPU-only: `init` refuses a
 machine without NVIDIA or AMD GPUs. Not supported yet (refused at `init`, naming the flag): a
-critic, weight sync and HF export with pipeline parallelism.
+critic and context parallelism.
 """
 
 from __future__ import annotations
@@ -75,12 +75,6 @@ class MegatronTrainRayActor(TrainRayActor):
             raise ValueError(
                 f"--context-parallel-size {mg.context_parallel_size}: the megatron backend does "
                 "not split sequences over context-parallel ranks yet; use 1"
-            )
-        if mg.pipeline_model_parallel_size > 1 and args.engine_urls:
-            raise ValueError(
-                f"--pipeline-model-parallel-size {mg.pipeline_model_parallel_size}: weight sync "
-                "to the rollout engines gathers from one pipeline stage only for now; use "
-                "--pipeline-model-parallel-size 1 (tensor/context/expert parallelism work)"
             )
         self.args, self.mg = args, mg
         self.device = set_device(self.local_rank)
@@ -224,16 +218,8 @@ class MegatronTrainRayActor(TrainRayActor):
         for rows, item in zip(rows_per_micro, results, strict=False):
             for row, log_probs in zip(rows, item["log_probs"], strict=True):
                 out[row] = log_probs
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            # Only the last stage has logits; the other stages need the values for advantages.
-            holder = [out]
-            dist.broadcast_object_list(
-                holder,
-                src=mpu.get_pipeline_model_parallel_last_rank(),
-                group=mpu.get_pipeline_model_parallel_group(),
-            )
-            out = holder[0]
-        return out  # type: ignore[return-value]
+        # Only the last stage has logits; the other stages need the values for advantages.
+        return _from_last_stage(out)  # type: ignore[return-value]
 
     def _train_step(self, step_batch: RolloutBatch) -> dict[str, float]:
         micro = list(self._micro_batches(step_batch))
@@ -253,10 +239,11 @@ class MegatronTrainRayActor(TrainRayActor):
         else:
             logger.warning("rank %d: optimizer step skipped (non-finite gradients)", self.rank)
         self.global_step += 1
-        return self.forward.step_metrics(
+        metrics = self.forward.step_metrics(
             losses, group=mpu.get_data_parallel_group(), step=self.global_step, lr=lr,
             grad_norm=float(grad_norm or 0.0),
         )  # fmt: skip
+        return _from_last_stage(metrics)  # the loss metrics exist on the last stage only
 
     def _run_schedule(self, model, micro: list[RolloutBatch], **kwargs: Any) -> list:
         max_len = max(max(m["total_lengths"]) for m in micro)
@@ -303,6 +290,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.model.module, path, hf_config=self.hf_config,
             tokenizer_path=self.args.hf_checkpoint, dtype=self._engine_dtype(),
             tp_group=mpu.get_tensor_model_parallel_group(),
+            pp_group=mpu.get_pipeline_model_parallel_group(),
         )  # fmt: skip
 
     def _engine_dtype(self) -> torch.dtype:
@@ -328,8 +316,9 @@ class MegatronTrainRayActor(TrainRayActor):
 
         def named_tensors():
             return iter_hf_tensors(
-                self.model.module, self.hf_config, dtype, mpu.get_tensor_model_parallel_group()
-            )
+                self.model.module, self.hf_config, dtype,
+                mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group(),
+            )  # fmt: skip
 
         common = {"buffer_size": self.mg.update_weight_buffer_size, "dtype": dtype}
         if self.args.colocate:
@@ -370,6 +359,19 @@ class MegatronTrainRayActor(TrainRayActor):
         if self._updater is not None:
             self._updater.shutdown()
             self._updater = None
+
+
+def _from_last_stage(value: Any) -> Any:
+    """`value` as the last pipeline stage has it, on every stage (itself without pipelining)."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(
+        holder,
+        src=mpu.get_pipeline_model_parallel_last_rank(),
+        group=mpu.get_pipeline_model_parallel_group(),
+    )
+    return holder[0]
 
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

@@ -93,6 +93,11 @@ def transformer_config_from_hf(hf_config: Any, args: MegatronArgs) -> Transforme
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        # Micro-batches are padded to their own longest sample (and dynamic batching varies their
+        # rows), so pipeline stages exchange each activation's shape before the activation.
+        variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        # Unused by dense models, but megatron refuses variable lengths with its default (allgather).
+        moe_token_dispatcher_type="alltoall",
         bf16=dtype == torch.bfloat16,
         recompute_granularity="selective" if args.recompute_activations else None,
     )
@@ -145,7 +150,7 @@ def load_hf_weights(
     full = hf_to_megatron(
         hf_state, hf_config, vocab_divisible_by=args.make_vocab_size_divisible_by, tp_size=tp_size
     )
-    global_names = _global_layer_names(model)
+    global_names = global_layer_names(model)
     local_state = {}
     for name, current in model.state_dict().items():
         if name.endswith("._extra_state"):
@@ -167,7 +172,7 @@ def load_hf_weights(
     )
 
 
-def _global_layer_names(model: torch.nn.Module):
+def global_layer_names(model: torch.nn.Module):
     """Maps a local state-dict name (`decoder.layers.<local>.`) to the converter's global name:
     a pipeline stage numbers its layers from 0, Megatron's `layer_number` is global and 1-based."""
     decoder = getattr(model, "decoder", None)
