@@ -3,21 +3,16 @@ reference, state snapshots, and a reference engine to push weights to."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import random
-import signal
 import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import torch
 import torch.distributed as dist
+
+from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
+from miles.backends.training_utils.testing_batches import random_rollout_batch
 
 GLOBAL_BATCH = 4
 TEMPERATURE = 0.8
@@ -46,18 +41,7 @@ def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> SimpleNam
 
 def make_batch(seed: int, num_samples: int = 2 * GLOBAL_BATCH) -> dict[str, list]:
     """Random documents of uneven length: two optimizer steps at GLOBAL_BATCH."""
-    rng = random.Random(seed)
-    batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
-    batch.update(loss_masks=[], rewards=[])
-    for _ in range(num_samples):
-        prompt, response = rng.randint(2, 7), rng.randint(2, 8)
-        tokens = [rng.randrange(256) for _ in range(prompt + response)]
-        batch["tokens"].append(tokens)
-        batch["response_lengths"].append(response)
-        batch["total_lengths"].append(len(tokens))
-        batch["loss_masks"].append([1] * response)
-        batch["rewards"].append(rng.uniform(-1, 1))
-    return batch
+    return random_rollout_batch(num_samples, seed=seed)
 
 
 def with_rollout_log_probs(model_dir: Path, batch: dict, device: torch.device) -> dict:
@@ -110,35 +94,11 @@ def differing(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-@contextlib.contextmanager
-def reference_engine(model_path: Path, device: str) -> Iterator[str]:
-    """A reference engine in its own process group on a free loopback port, healthy when
-    yielded; killed at the end."""
-    port = free_port()
-    command = [sys.executable, "-m", "miles.backends.sglang_utils.reference_engine.cli",
-               "--model-path", str(model_path), "--port", str(port), "--dtype", "float32",
-               "--device", device, "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the reference engine at {url} did not become healthy")
-            time.sleep(0.25)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+def reference_engine(model_path: Path, device: str):
+    """A float32 reference engine on `device`, healthy when entered; stopped on exit."""
+    return launch_reference_engine(
+        model_path, extra_args=["--dtype", "float32", "--device", device]
+    )
 
 
 def engine_vs_trainer(actor, url: str) -> dict:
