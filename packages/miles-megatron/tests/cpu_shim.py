@@ -24,10 +24,11 @@ Use: call `install_megatron_cpu_shim()` first in a worker run by this module's `
 `install_megatron_training_cpu_shim()` goes further, for tests of the whole train actor (optimizer
 step, distributed checkpoint): megatron-core's optimizer, gradient clipping, schedules and
 checkpoint writer allocate small buffers with `device="cuda"`, move tensors with `.cuda()`, call
-`torch.cuda.synchronize()`, and the distributed optimizer accepts parameters only when
-`Tensor.type()` names a CUDA type. In a worker process (never undone; the process exits) those
-allocations land on the CPU, `.cuda()` keeps the tensor where it is, synchronize is a no-op, and a
-CPU tensor reports the CUDA name of its type. Numerics are untouched.
+`torch.cuda.synchronize()` and (megatron-core >= 0.19) wait on `torch.cuda.current_stream()`,
+and the distributed optimizer accepts parameters only when `Tensor.type()` names a CUDA type. In a
+worker process (never undone; the process exits) those allocations land on the CPU, `.cuda()`
+keeps the tensor where it is, synchronize and stream waits are no-ops (CPU work runs in program
+order), and a CPU tensor reports the CUDA name of its type. Numerics are untouched.
 """
 
 from __future__ import annotations
@@ -120,6 +121,19 @@ class TorchWithoutCuda:
         return torch.empty(*args, **self._on_cpu(kwargs))
 
 
+class _CpuStream:
+    """What megatron asks of the current CUDA stream; CPU work runs in program order anyway."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 # The megatron modules whose module-level `torch` allocates on "cuda" during a training step.
 _MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.optimizer.optimizer",
@@ -154,6 +168,7 @@ def install_megatron_training_cpu_shim() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
 
 
 @contextlib.contextmanager
