@@ -6,7 +6,6 @@ honour raise at load time, naming the flag, instead of being silently ignored (D
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import importlib.util
@@ -20,44 +19,17 @@ import yaml
 
 from miles.backends.training_utils.device import get_device_info
 from miles.config.options import convert
+from miles.config.options import flag_name as _flag
+from miles.config.trainer_args import TrainerArgs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class FSDPArgs:
-    """Optimizer, schedule, batching, parallelism and precision settings of the FSDP backend."""
+class FSDPArgs(TrainerArgs):
+    """Parallelism and precision settings of the FSDP backend, on top of the shared optimizer,
+    schedule and batching settings of `TrainerArgs`."""
 
-    lr: float = 1e-6
-    """Peak learning rate (after warmup)."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay; needs a decaying --lr-decay-style."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """AdamW first-moment decay."""
-    adam_beta2: float = 0.98
-    """AdamW second-moment decay."""
-    adam_eps: float = 1e-8
-    """AdamW denominator epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
-    lr_decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
-    """Shape of the learning rate after warmup (wsd: warmup-stable-decay)."""
-    lr_warmup_iters: int = 0
-    """Optimizer steps of linear warmup from 0 to --lr."""
-    lr_decay_iters: int | None = None
-    """Optimizer step at which the rate reaches --min-lr (warmup included); None: the backend
-    uses the total number of optimizer steps of the run."""
-    lr_wsd_decay_iters: int | None = None
-    """Length of the final decay phase of --lr-decay-style wsd, in optimizer steps."""
-    micro_batch_size: int = 1
-    """Samples per forward/backward pass when --use-dynamic-batch-size is off."""
-    use_dynamic_batch_size: bool = False
-    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed sample count."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget of one micro-batch per GPU; required by, and only used with,
-    --use-dynamic-batch-size."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     fsdp_cpu_offload: bool = False
@@ -73,62 +45,21 @@ class FSDPArgs:
     on CPU. Master weights and optimizer states stay float32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter / all-reduce."""
-    update_weight_buffer_size: int = 512 * 2**20
-    """Bytes of gathered parameters per bucket when pushing weights to the rollout engines."""
-    use_rollout_logprobs: bool = False
-    """Use the engine's log-probs as the old policy instead of recomputing them in the trainer."""
     lora_rank: int = 0
     """LoRA adapter rank; the FSDP backend supports only 0 (full fine-tuning) for now."""
     use_critic: bool = False
     """Train a value model; the FSDP backend has no critic yet."""
-    seed: int = 1234
-    """Seed of model initialisation and every random number generator of the trainer."""
 
-    def __post_init__(self) -> None:
-        _check_choices(self)
-        _check_ranges(self)
-        _check_unsupported(self)
-        _check_schedule(self)
-        _check_batching(self)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _check_choices(args: FSDPArgs) -> None:
-    for f in dataclasses.fields(args):
-        choices = _literal_choices(_field_types()[f.name])
-        value = getattr(args, f.name)
-        if choices and value not in choices:
-            raise ValueError(
-                f"{_flag(f.name)} {value!r} is not a valid choice; use one of {', '.join(choices)}"
-            )
-
-
-def _check_ranges(args: FSDPArgs) -> None:
-    minimums = {
-        "lr": 0.0,
-        "min_lr": 0.0,
-        "weight_decay": 0.0,
-        "clip_grad": 0.0,
-        "lr_warmup_iters": 0,
+    MINIMUMS: typing.ClassVar[dict[str, float]] = {
+        **TrainerArgs.MINIMUMS,
         "lora_rank": 0,
-        "micro_batch_size": 1,
         "dp_replicate_size": 1,
         "context_parallel_size": 1,
-        "update_weight_buffer_size": 1,
     }
-    for name, minimum in minimums.items():
-        if getattr(args, name) < minimum:
-            raise ValueError(f"{_flag(name)} must be >= {minimum}, got {getattr(args, name)}")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    if args.adam_eps <= 0:
-        raise ValueError(f"--adam-eps must be > 0, got {args.adam_eps}")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_unsupported(self)
 
 
 def _check_unsupported(args: FSDPArgs) -> None:
@@ -165,46 +96,6 @@ def _check_flash_attention() -> None:
             "--attn-implementation flash_attention_2 needs the flash-attn package, which is not "
             "installed; install it or use --attn-implementation sdpa"
         )
-
-
-def _check_schedule(args: FSDPArgs) -> None:
-    style = args.lr_decay_style
-    if style == "constant":
-        for name, value in (("min_lr", args.min_lr), ("lr_decay_iters", args.lr_decay_iters)):
-            if value not in (None, 0.0):
-                raise ValueError(
-                    f"{_flag(name)} ({value}) has no effect with --lr-decay-style constant; "
-                    "drop it or choose linear, cosine or wsd"
-                )
-    if style != "wsd" and args.lr_wsd_decay_iters is not None:
-        raise ValueError(
-            f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) only applies to --lr-decay-style "
-            f"wsd, not {style}; drop it or use --lr-decay-style wsd"
-        )
-    if style == "wsd" and args.lr_wsd_decay_iters is None:
-        raise ValueError(
-            "--lr-decay-style wsd needs --lr-wsd-decay-iters (steps of the final decay phase)"
-        )
-    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
-        raise ValueError(
-            f"--lr-decay-iters ({args.lr_decay_iters}) must exceed --lr-warmup-iters "
-            f"({args.lr_warmup_iters}): decay starts after warmup"
-        )
-
-
-def _check_batching(args: FSDPArgs) -> None:
-    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
-        raise ValueError(
-            "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one "
-            "micro-batch); set it, e.g. --max-tokens-per-gpu 8192"
-        )
-    if not args.use_dynamic_batch_size and args.max_tokens_per_gpu is not None:
-        raise ValueError(
-            f"--max-tokens-per-gpu ({args.max_tokens_per_gpu}) is only used with "
-            "--use-dynamic-batch-size; add that flag or drop --max-tokens-per-gpu"
-        )
-    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
 
 
 def validate_hybrid_shard_args(world_size: int, dp_replicate_size: int) -> None:

@@ -7,11 +7,12 @@ reject deep inside model construction raise here, naming the flag and the values
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
+
+from miles.config.trainer_args import TrainerArgs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 """HF `model_type`s the converters and the local layer spec cover (dense decoders with RMSNorm,
@@ -19,8 +20,9 @@ SwiGLU, RoPE and grouped-query attention)."""
 
 
 @dataclass(kw_only=True)
-class MegatronArgs:
-    """Parallelism, optimizer, schedule, batching and precision settings of the Megatron backend."""
+class MegatronArgs(TrainerArgs):
+    """Parallelism and precision settings of the Megatron backend, on top of the shared optimizer,
+    schedule and batching settings of `TrainerArgs`."""
 
     tensor_model_parallel_size: int = 1
     """Ranks that split every layer's weights (attention heads, MLP columns, vocabulary)."""
@@ -43,49 +45,19 @@ class MegatronArgs:
     recompute_activations: bool = False
     """Recompute each layer's core attention in the backward pass (Megatron's selective
     recompute): less activation memory for a little more compute."""
-    lr: float = 1e-6
-    """Peak learning rate (after warmup)."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay; needs a decaying --lr-decay-style."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """AdamW first-moment decay."""
-    adam_beta2: float = 0.98
-    """AdamW second-moment decay."""
-    adam_eps: float = 1e-8
-    """AdamW denominator epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
-    lr_decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
-    """Shape of the learning rate after warmup (wsd: warmup-stable-decay)."""
-    lr_warmup_iters: int = 0
-    """Optimizer steps of linear warmup from 0 to --lr."""
-    lr_decay_iters: int | None = None
-    """Optimizer step at which the rate reaches --min-lr (warmup included); None: the backend
-    uses the total number of optimizer steps of the run."""
-    lr_wsd_decay_iters: int | None = None
-    """Length of the final decay phase of --lr-decay-style wsd, in optimizer steps."""
-    micro_batch_size: int = 1
-    """Samples per forward/backward pass when --use-dynamic-batch-size is off."""
-    use_dynamic_batch_size: bool = False
-    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed sample count."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget of one micro-batch per GPU; required by, and only used with,
-    --use-dynamic-batch-size."""
-    update_weight_buffer_size: int = 512 * 2**20
-    """Bytes of gathered parameters per bucket when pushing weights to the rollout engines."""
-    use_rollout_logprobs: bool = False
-    """Use the engine's log-probs as the old policy instead of recomputing them in the trainer."""
-    seed: int = 1234
-    """Seed of model initialisation and every random number generator of the trainer."""
+
+    MINIMUMS: typing.ClassVar[dict[str, float]] = {
+        **TrainerArgs.MINIMUMS,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "make_vocab_size_divisible_by": 1,
+    }
 
     def __post_init__(self) -> None:
-        _check_choices(self)
-        _check_ranges(self)
+        super().__post_init__()
         _check_parallel(self)
-        _check_schedule(self)
-        _check_batching(self)
 
     @property
     def model_parallel_size(self) -> int:
@@ -95,49 +67,6 @@ class MegatronArgs:
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
         )
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _check_choices(args: MegatronArgs) -> None:
-    hints = typing.get_type_hints(MegatronArgs)
-    for f in dataclasses.fields(args):
-        annotation: Any = hints[f.name]
-        choices = get_args(annotation) if get_origin(annotation) is Literal else ()
-        value = getattr(args, f.name)
-        if choices and value not in choices:
-            raise ValueError(
-                f"{_flag(f.name)} {value!r} is not a valid choice; use one of {', '.join(choices)}"
-            )
-
-
-def _check_ranges(args: MegatronArgs) -> None:
-    minimums = {
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "context_parallel_size": 1,
-        "expert_model_parallel_size": 1,
-        "make_vocab_size_divisible_by": 1,
-        "lr": 0.0,
-        "min_lr": 0.0,
-        "weight_decay": 0.0,
-        "clip_grad": 0.0,
-        "lr_warmup_iters": 0,
-        "micro_batch_size": 1,
-        "update_weight_buffer_size": 1,
-    }
-    for name, minimum in minimums.items():
-        if getattr(args, name) < minimum:
-            raise ValueError(f"{_flag(name)} must be >= {minimum}, got {getattr(args, name)}")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    if args.adam_eps <= 0:
-        raise ValueError(f"--adam-eps must be > 0, got {args.adam_eps}")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
 
 
 def _check_parallel(args: MegatronArgs) -> None:
@@ -154,48 +83,6 @@ def _check_parallel(args: MegatronArgs) -> None:
             f"--context-parallel-size {cp} needs Transformer Engine's attention, and "
             "transformer_engine is not installed; install it or use --context-parallel-size 1"
         )
-
-
-def _check_schedule(args: MegatronArgs) -> None:
-    style = args.lr_decay_style
-    if style == "constant":
-        for name, value in (("min_lr", args.min_lr), ("lr_decay_iters", args.lr_decay_iters)):
-            if value not in (None, 0.0):
-                raise ValueError(
-                    f"{_flag(name)} ({value}) has no effect with --lr-decay-style constant; "
-                    "drop it or choose linear, cosine or wsd"
-                )
-    if style != "wsd" and args.lr_wsd_decay_iters is not None:
-        raise ValueError(
-            f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) only applies to --lr-decay-style "
-            f"wsd, not {style}; drop it or use --lr-decay-style wsd"
-        )
-    if style == "wsd" and args.lr_wsd_decay_iters is None:
-        raise ValueError(
-            "--lr-decay-style wsd needs --lr-wsd-decay-iters (steps of the final decay phase)"
-        )
-    if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters < 1:
-        raise ValueError(f"--lr-wsd-decay-iters must be >= 1, got {args.lr_wsd_decay_iters}")
-    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
-        raise ValueError(
-            f"--lr-decay-iters ({args.lr_decay_iters}) must exceed --lr-warmup-iters "
-            f"({args.lr_warmup_iters}): decay starts after warmup"
-        )
-
-
-def _check_batching(args: MegatronArgs) -> None:
-    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
-        raise ValueError(
-            "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one "
-            "micro-batch); set it, e.g. --max-tokens-per-gpu 8192"
-        )
-    if not args.use_dynamic_batch_size and args.max_tokens_per_gpu is not None:
-        raise ValueError(
-            f"--max-tokens-per-gpu ({args.max_tokens_per_gpu}) is only used with "
-            "--use-dynamic-batch-size; add that flag or drop --max-tokens-per-gpu"
-        )
-    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 1:
-        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
