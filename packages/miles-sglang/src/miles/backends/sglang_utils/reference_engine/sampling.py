@@ -143,7 +143,9 @@ def sample_next_tokens(
             token = int(torch.argmax(row))
         else:
             filtered = _filter_logits(scaled, p)
-            probs = torch.softmax(filtered, dim=-1)
+            # Requests' generators live on the CPU (a seed means the same draw on any device);
+            # torch samples only with a generator of the probabilities' device.
+            probs = torch.softmax(filtered, dim=-1).to(gen.device)
             token = int(torch.multinomial(probs, 1, generator=gen))
         tokens.append(token)
         log_probs.append(float(log_p[token]))

@@ -188,8 +188,14 @@ class Scheduler:
                 new.append(request)
         if not new:
             return
-        logits, state = self.runner.prefill([r.input_ids for r in new])
-        tokens = self._sample_and_record(new, logits)
+        try:
+            logits, state = self.runner.prefill([r.input_ids for r in new])
+            tokens = self._sample_and_record(new, logits)
+        except Exception as err:
+            # Not running yet, so the loop's handler would not answer them: fail them here.
+            for request in new:
+                self._finish(request, {"type": "abort", "message": f"engine error: {err}"})
+            raise
         self._running += new
         self._next_tokens += tokens
         self._state = merge_states(self._state, state)
