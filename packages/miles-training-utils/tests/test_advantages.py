@@ -156,3 +156,22 @@ def test_whitening_across_two_gloo_ranks_uses_global_statistics():
     # Whitening each shard on its own would give a different answer: the reduction matters.
     local = [x for o in global_whiten(all_values[:2], all_masks[:2]) for x in o.tolist()]
     assert local != pytest.approx(single[:4])
+
+
+def _collective_device_and_global_whiten(rank: int) -> tuple[str, list[float]]:
+    import torch
+
+    from miles.backends.training_utils.advantages import global_whiten
+    from miles.backends.training_utils.device import collective_device
+
+    values = [torch.tensor([float(rank), float(rank + 2)])]
+    whitened = global_whiten(values, [torch.ones(2)])
+    return str(collective_device()), whitened[0].tolist()
+
+
+def test_gloo_collectives_take_cpu_tensors_and_whitening_uses_every_ranks_tokens():
+    (device0, white0), (device1, white1) = run_distributed(_collective_device_and_global_whiten, 2)
+    assert device0 == device1 == "cpu"
+    # Tokens 0, 2 | 1, 3: mean 1.5, population std sqrt(1.25).
+    assert white0 == pytest.approx([-1.5 / 1.25**0.5, 0.5 / 1.25**0.5], rel=1e-6)
+    assert white1 == pytest.approx([-0.5 / 1.25**0.5, 1.5 / 1.25**0.5], rel=1e-6)

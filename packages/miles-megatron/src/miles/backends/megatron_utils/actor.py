@@ -213,7 +213,12 @@ class MegatronTrainRayActor(TrainRayActor):
         """Per-sample (R,) log-probs without gradients, via Megatron's forward-only schedule."""
         iterator = self._micro_batches(batch)
         rows_per_micro = iterator.micro_batches  # dynamic batching regroups the rows
-        results = self._run_schedule(model, list(iterator), forward_only=True, collect="log_probs")
+        # Megatron's forward-only schedule keeps autograd on: without this every activation of
+        # the pass would stay alive as in training.
+        with torch.no_grad():
+            results = self._run_schedule(
+                model, list(iterator), forward_only=True, collect="log_probs"
+            )
         out: list[torch.Tensor | None] = [None] * batch_size(batch)
         for rows, item in zip(rows_per_micro, results, strict=False):
             for row, log_probs in zip(rows, item["log_probs"], strict=True):

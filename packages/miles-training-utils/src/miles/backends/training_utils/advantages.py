@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles.backends.training_utils.device import collective_device
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.ppo_utils import (
     compute_approx_kl,
@@ -83,6 +84,8 @@ def global_whiten(
         [(flat_values * flat_masks).sum(), (flat_values**2 * flat_masks).sum(), flat_masks.sum()]
     )
     if group is not None or (dist.is_available() and dist.is_initialized()):
+        # Rollout values arrive on the CPU; nccl / hccl reduce only device tensors.
+        stats = stats.to(collective_device(group))
         dist.all_reduce(stats, group=group)
     total, total_sq, count = stats.tolist()
     if count == 0:

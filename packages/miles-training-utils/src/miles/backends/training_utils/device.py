@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 
 DeviceKind = Literal["cpu", "cuda", "rocm", "npu"]
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
@@ -127,6 +128,15 @@ def current_device() -> torch.device:
     if info.kind == "npu":
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
     return torch.device("cpu")
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must live for a collective over `group` (None: the default group): the CPU
+    for gloo, this rank's current accelerator for nccl / hccl (which take no CPU tensors)."""
+
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        return torch.device("cpu")
+    return current_device()
 
 
 def synchronize() -> None:
