@@ -158,3 +158,15 @@ def test_miles_train_takes_the_megatron_flags():
     assert isinstance(config.backend, MegatronArgs)
     assert config.backend.tensor_model_parallel_size == 2
     assert config.actor_args().megatron is config.backend
+
+
+def test_the_rollout_is_split_per_model_replica_not_per_rank():
+    from miles.config import load_config
+
+    flags = ["--hf-checkpoint", "c", "--prompt-data", "d.jsonl", "--rollout-batch-size", "2",
+             "--train-backend", "megatron", "--tensor-model-parallel-size", "2"]  # fmt: skip
+    # 6 samples per step: divisible by the 2 replicas of the 4 ranks, not by the 4 ranks.
+    config = load_config([*flags, "--n-samples-per-prompt", "3", "--actor-num-gpus-per-node", "4"])
+    assert (config.model_parallel_size, config.data_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match=r"3 train ranks .* not a multiple of the 2 ranks"):
+        load_config([*flags, "--actor-num-gpus-per-node", "3"])

@@ -116,6 +116,17 @@ class MilesConfig:
     backend: Any = None
     """The backend's settings object (e.g. FSDPArgs); None for a backend without any."""
 
+    @property
+    def model_parallel_size(self) -> int:
+        """Train ranks one model replica takes: a backend that splits a replica over ranks
+        (tensor / pipeline / context parallelism) says how many via `model_parallel_size`."""
+        return int(getattr(self.backend, "model_parallel_size", 1))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas among the train ranks: how many shards each rollout is split into."""
+        return self.cluster.actor_world_size // self.model_parallel_size
+
     def __post_init__(self) -> None:
         _derive_batch_identity(self)
         _check_across_groups(self)
@@ -278,9 +289,19 @@ def _check_across_groups(config: MilesConfig) -> None:
         config.checkpoint.load = config.checkpoint.save
     gbs = training.global_batch_size
     assert gbs is not None, "derived by _derive_batch_identity"
-    dp = cluster.actor_world_size
+    world = cluster.actor_world_size
+    model_parallel = config.model_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"the {world} train ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a "
+            f"multiple of the {model_parallel} ranks one model replica takes (tensor x pipeline x "
+            "context parallel sizes); change either"
+        )
+    dp = config.data_parallel_size
     if gbs % dp:
+        split = f", {model_parallel} ranks per replica" if model_parallel > 1 else ""
         raise ValueError(
             f"--global-batch-size ({gbs}) must be divisible by the data-parallel size "
-            f"({dp} = --actor-num-nodes x --actor-num-gpus-per-node); use a multiple of {dp}"
+            f"({dp} = --actor-num-nodes x --actor-num-gpus-per-node{split}); use a multiple "
+            f"of {dp}"
         )

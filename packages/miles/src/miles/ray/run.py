@@ -75,7 +75,7 @@ class Run:
         init_ray(config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement = create_placement(plan)
-        dp_size = cluster.actor_world_size
+        dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         self.rollout_manager = manager_class.remote(config, self.placement, dp_size=dp_size)
         dataset_size = ray.get(self.rollout_manager.get_dataset_size.remote())
@@ -97,6 +97,11 @@ class Run:
             args.engine_urls = engine_urls
             args.num_rollout = self.num_rollout
             self.start_rollout_id = self.trainers.init(args, "actor", with_ref=False)
+            if self.trainers.dp_size != dp_size:
+                raise RuntimeError(
+                    f"the {cluster.train_backend} backend formed {self.trainers.dp_size} "
+                    f"data-parallel replicas, but the rollout was split for {dp_size}"
+                )
         resumed = ray.get(self.rollout_manager.load.remote())
         if self.trainers is not None and resumed is not None:
             if resumed + 1 != self.start_rollout_id:

@@ -124,6 +124,14 @@ class TrainRayActor(abc.ABC):
     def export_hf(self, path: str | Path) -> None:
         """Write the current weights as a Hugging Face checkpoint directory."""
 
+    def data_parallel_rank(self) -> int:
+        """Which data-parallel shard of each rollout this rank trains on (valid after `init`).
+
+        Ranks that split one model replica (tensor / pipeline parallel peers) must see the same
+        samples, so they share a shard; by default every rank is a replica of its own.
+        """
+        return self.rank
+
     def logprob_gap(self, data_ref: Any) -> float:
         """Mean |trainer - engine| log-prob over the response tokens of `data_ref` (all ranks).
 

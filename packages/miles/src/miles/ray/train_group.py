@@ -56,6 +56,8 @@ class RayTrainGroup:
             for rank in range(world_size)
         ]
         self.world_size = world_size
+        # Which rollout shard each rank trains on; known from the backend after `init`.
+        self.dp_ranks = list(range(world_size))
         logger.info(
             "train group of %d %s actor(s); rank 0 at %s:%d",
             world_size, actor_class.__name__, master_addr, master_port,
@@ -72,20 +74,42 @@ class RayTrainGroup:
                 f"train ranks disagree on the rollout to resume from: {starts}; the checkpoint "
                 "in --load is inconsistent across ranks"
             )
+        dp_ranks = ray.get(self._all("data_parallel_rank"))
+        if sorted(set(dp_ranks)) != list(range(len(set(dp_ranks)))):
+            raise RuntimeError(
+                f"the train ranks report data-parallel ranks {dp_ranks}; they must number the "
+                "replicas 0..n-1 (a backend bug)"
+            )
+        self.dp_ranks = dp_ranks
         return starts[0]
 
+    @property
+    def dp_size(self) -> int:
+        """Model replicas: the number of rollout shards one train call takes."""
+        return len(set(self.dp_ranks))
+
+    def _shards(self, data: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """Rank r's shard of `data` (one per data-parallel replica): its replica's."""
+        if len(data) != self.dp_size:
+            raise ValueError(
+                f"got {len(data)} data shards for {self.dp_size} data-parallel replicas "
+                f"({self.world_size} train ranks)"
+            )
+        return [data[r] for r in self.dp_ranks]
+
     def async_train(self, rollout_id: int, data: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """Start training rank r on `data[r]`; returns the calls' references."""
-        if len(data) != self.world_size:
-            raise ValueError(f"got {len(data)} data shards for {self.world_size} train ranks")
-        return [a.train.remote(rollout_id, d) for a, d in zip(self.actors, data, strict=True)]
+        """Start training every rank on its replica's shard of `data`; returns the calls'
+        references."""
+        shards = self._shards(data)
+        return [a.train.remote(rollout_id, d) for a, d in zip(self.actors, shards, strict=True)]
 
     def train(self, rollout_id: int, data: list[ray.ObjectRef]) -> Any:
         return ray.get(self.async_train(rollout_id, data))[0]
 
     def logprob_gap(self, data: list[ray.ObjectRef]) -> float:
         """Mean |trainer - engine| log-prob over the response tokens of `data` (no training)."""
-        calls = [a.logprob_gap.remote(d) for a, d in zip(self.actors, data, strict=True)]
+        shards = self._shards(data)
+        calls = [a.logprob_gap.remote(d) for a, d in zip(self.actors, shards, strict=True)]
         return ray.get(calls)[0]
 
     def call(self, method: str, *args: Any) -> Any:

@@ -171,6 +171,10 @@ class MegatronTrainRayActor(TrainRayActor):
     def dp_size(self) -> int:
         return mpu.get_data_parallel_world_size()
 
+    def data_parallel_rank(self) -> int:
+        # Tensor / pipeline / context-parallel peers hold one replica and train on one shard.
+        return mpu.get_data_parallel_rank()
+
     def train(self, rollout_id: int, data_ref: Any) -> list[dict[str, float]]:
         self._require_awake("train")
         batch: RolloutBatch = data_ref
