@@ -30,6 +30,7 @@ from miles.backends.fsdp_utils.update_weight_utils import (
     UpdateWeightFromDistributed,
     UpdateWeightFromTensor,
 )
+from miles.backends.sglang_utils.weight_sync import engine_urls_for_rank
 from miles.backends.training_utils.advantages import compute_advantages_and_returns
 from miles.backends.training_utils.data import get_batch, get_data_iterator
 from miles.backends.training_utils.device import (
@@ -441,8 +442,10 @@ class FSDPTrainRayActor(TrainRayActor):
     def _make_updater(self) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
         from miles.backends.sglang_utils.client import SyncEngineClient
 
-        # Only rank 0 talks to the engines; the other ranks just join the gathers.
-        urls = self.args.engine_urls if self.rank == 0 else []
+        urls = engine_urls_for_rank(
+            self.args.engine_urls, rank=self.rank, world_size=self.world_size,
+            colocate=self.args.colocate,
+        )  # fmt: skip
         clients = [SyncEngineClient(url) for url in urls]
         common = {
             "buffer_size": self.args.fsdp.update_weight_buffer_size,

@@ -44,6 +44,7 @@ from miles.backends.sglang_utils.client import SyncEngineClient
 from miles.backends.sglang_utils.weight_sync import (
     UpdateWeightFromDistributed,
     UpdateWeightFromTensor,
+    engine_urls_for_rank,
 )
 from miles.backends.training_utils.advantages import compute_advantages_and_returns
 from miles.backends.training_utils.data import get_data_iterator
@@ -319,7 +320,10 @@ class MegatronTrainRayActor(TrainRayActor):
             self._updater.update(str(self.weight_version))
 
     def _make_updater(self) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
-        urls = self.args.engine_urls if self.rank == 0 else []
+        urls = engine_urls_for_rank(
+            self.args.engine_urls, rank=self.rank, world_size=self.world_size,
+            colocate=self.args.colocate,
+        )  # fmt: skip
         clients = [SyncEngineClient(url) for url in urls]
         dtype = self._engine_dtype()
 

@@ -43,6 +43,7 @@ from miles.backends.sglang_utils.weight_sync.updaters import (
     UpdateWeightFromDistributed,
     UpdateWeightFromTensor,
     WeightUpdater,
+    engine_urls_for_rank,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "deserialize_named_tensors",
     "dtype_from_name",
     "dtype_name",
+    "engine_urls_for_rank",
     "flatten_bucket",
     "iter_buckets",
     "iter_buckets_with_last",

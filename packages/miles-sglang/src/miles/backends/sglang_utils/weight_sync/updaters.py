@@ -1,10 +1,12 @@
 """A trainer's weight update (DESIGN §3.4): pause the engines, send, resume, agree on failure.
 
 Shared by every backend: a backend only says how to produce its `(engine name, full tensor)` pairs
-(gathering shards is its business; every rank drains the iterator, rank 0 alone talks to the
-engines). Rank 0 pauses generation in place, hands the pairs to a sender (which buckets them within
-`buffer_size` and flushes the KV cache with the last bucket) and resumes generation even after a
-failure, then every rank learns whether the update failed, so no rank is left in a collective.
+(gathering shards is its business; every rank drains the iterator, and the ranks given engine
+clients talk to those engines: rank 0 to all of them, or, colocated one engine per rank, each rank
+to the engine on its own device, see `engine_urls_for_rank`). A sending rank pauses generation in
+place, hands the pairs to a sender (which buckets them within `buffer_size` and flushes the KV
+cache with the last bucket) and resumes generation even after a failure, then every rank learns
+whether any send failed, so no rank is left in a collective.
 """
 
 from __future__ import annotations
@@ -27,11 +29,25 @@ from miles.backends.training_utils.device import current_device
 logger = logging.getLogger(__name__)
 
 
+def engine_urls_for_rank(
+    engine_urls: Sequence[str], *, rank: int, world_size: int, colocate: bool
+) -> list[str]:
+    """The engines train rank `rank` pushes weights to.
+
+    Colocated with one engine per rank (engine r on rank r's device), rank r feeds engine r: a
+    CUDA IPC handle opens only on the device it was made on, and the ranks send in parallel.
+    Otherwise rank 0 feeds every engine (one broadcast group reaches them all).
+    """
+    if colocate and len(engine_urls) == world_size:
+        return [engine_urls[rank]]
+    return list(engine_urls) if rank == 0 else []
+
+
 class WeightUpdater:
-    """Shared flow of both transports; subclasses say how rank 0 sends.
+    """Shared flow of both transports; subclasses say how a rank with engine clients sends.
 
     `named_tensors()` yields the `(engine name, full tensor)` pairs of one update; every rank
-    drains it (it may run collectives, e.g. gathering shards), rank 0 alone sends.
+    drains it (it may run collectives, e.g. gathering shards); ranks with clients send.
     """
 
     def __init__(
@@ -63,10 +79,10 @@ class WeightUpdater:
         start = time.monotonic()
         tensors = self.named_tensors()
         error: BaseException | None = None
-        if self.rank == 0:
+        if self.clients:
             error = self._send_paused(tensors, weight_version)
-        # Ranks > 0 (and rank 0 after a failed send) still join every remaining gather, so no
-        # rank is left waiting in a collective.
+        # Ranks without engines (and a rank after a failed send) still join every remaining
+        # gather, so no rank is left waiting in a collective.
         for _ in tensors:
             pass
         self._agree_on_failure(error)
@@ -84,7 +100,7 @@ class WeightUpdater:
                 paused.append(client)
             self._send(tensors, weight_version)
         except Exception as err:  # reported to every rank in _agree_on_failure
-            logger.exception("weight update %s failed on rank 0", weight_version)
+            logger.exception("weight update %s failed on rank %d", weight_version, self.rank)
             error = err
         for client in paused:  # an engine left paused would stall the next rollout forever
             try:
@@ -100,13 +116,13 @@ class WeightUpdater:
                 raise error
             return
         failed = torch.tensor([int(error is not None)], device=_collective_device())
-        dist.broadcast(failed, src=0)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is not None:
             raise error
         if failed.item():
             raise RuntimeError(
-                "the weight update failed on rank 0 (see its log for the engine's message); the "
-                "engines may hold a partial update: push the weights again"
+                "the weight update failed on another rank (see its log for the engine's "
+                "message); the engines may hold a partial update: push the weights again"
             )
 
     def _send(self, tensors: Iterator, weight_version: str) -> None:
@@ -136,12 +152,12 @@ class UpdateWeightFromTensor(WeightUpdater):
         super().__init__(named_tensors, clients, buffer_size=buffer_size, dtype=dtype)
         self._sender = (
             TensorWeightSender(self.clients, max_bytes=buffer_size, dtype=dtype)
-            if self.rank == 0
+            if self.clients
             else None
         )
 
     def _send(self, tensors: Iterator, weight_version: str) -> None:
-        assert self._sender is not None, "only rank 0 sends"
+        assert self._sender is not None, "only ranks with engine clients send"
         self._sender.send(tensors, weight_version=weight_version)
 
 
