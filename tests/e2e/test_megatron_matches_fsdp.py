@@ -6,14 +6,13 @@ log-probs for the engine check. The issue asks for 3 %; float32 on CPU agrees fa
 from __future__ import annotations
 
 import importlib.util
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import run_distributed
+from miles.backends.training_utils.testing import free_port, run_distributed
 from miles.backends.training_utils.testing_batches import random_rollout_batch
 
 _SHIM_PATH = Path(__file__).parents[2] / "packages/miles-megatron/tests/cpu_shim.py"
@@ -27,12 +26,6 @@ def _megatron_cpu_shim():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_batch() -> dict[str, list]:

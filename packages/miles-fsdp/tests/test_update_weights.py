@@ -120,9 +120,13 @@ def test_full_tensors_come_once_per_parameter_in_the_engine_dtype_without_rotary
 
 
 def test_an_update_without_engines_is_refused_naming_the_flag():
-    from miles.backends.fsdp_utils.update_weight_utils import UpdateWeightFromTensor
+    from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+    from miles.backends.sglang_utils.weight_sync import UpdateWeightFromTensor
+
+    def linear_tensors():
+        return iter_full_tensors(torch.nn.Linear(2, 2), torch.float32)
 
     with pytest.raises(ValueError, match="--engine-urls"):
-        UpdateWeightFromTensor(torch.nn.Linear(2, 2), [], buffer_size=1 << 20, dtype=torch.float32)
+        UpdateWeightFromTensor(linear_tensors, [], buffer_size=1 << 20, dtype=torch.float32)
     with pytest.raises(ValueError, match="--update-weight-buffer-size"):
-        UpdateWeightFromTensor(torch.nn.Linear(2, 2), [object()], buffer_size=0, dtype=None)
+        UpdateWeightFromTensor(linear_tensors, [object()], buffer_size=0, dtype=None)

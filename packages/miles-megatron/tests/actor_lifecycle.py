@@ -3,7 +3,6 @@ reference, state snapshots, and a reference engine to push weights to."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,12 +16,6 @@ from miles.backends.training_utils.testing_batches import random_rollout_batch
 GLOBAL_BATCH = 4
 TEMPERATURE = 0.8
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the byte tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> SimpleNamespace:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.backends.training_utils.testing import free_port
+
 from .actor_lifecycle import (
     differing,
     engine_vs_trainer,
-    free_port,
     make_args,
     make_batch,
     max_difference,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.backends.training_utils.testing import free_port
+
 from .actor_lifecycle import (
     engine_vs_trainer,
-    free_port,
     make_args,
     make_batch,
     max_difference,

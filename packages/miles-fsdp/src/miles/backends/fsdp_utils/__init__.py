@@ -15,20 +15,16 @@ from miles.backends.fsdp_utils.arguments import FSDPArgs, load_fsdp_args, valida
 from miles.backends.fsdp_utils.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
-from miles.backends.fsdp_utils.update_weight_utils import (
-    UpdateWeightFromDistributed,
-    UpdateWeightFromTensor,
-)
+from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 
 __all__ = [
     "FSDPArgs",
     "FSDPTrainRayActor",
-    "UpdateWeightFromDistributed",
-    "UpdateWeightFromTensor",
     "build_fsdp_meshes",
     "create_fsdp_parallel_state",
     "export_hf",
     "get_lr_scheduler",
+    "iter_full_tensors",
     "load_checkpoint",
     "load_fsdp_args",
     "save_checkpoint",

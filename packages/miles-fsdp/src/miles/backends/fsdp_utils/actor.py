@@ -26,11 +26,8 @@ from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
 from miles.backends.fsdp_utils.modeling import build_fsdp_model, packed_logits, response_positions
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
-from miles.backends.fsdp_utils.update_weight_utils import (
-    UpdateWeightFromDistributed,
-    UpdateWeightFromTensor,
-)
-from miles.backends.sglang_utils.weight_sync import engine_urls_for_rank
+from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
 from miles.backends.training_utils.advantages import compute_advantages_and_returns
 from miles.backends.training_utils.data import get_batch, get_data_iterator
 from miles.backends.training_utils.device import (
@@ -154,7 +151,7 @@ class FSDPTrainRayActor(TrainRayActor):
         )
         self.weight_version = 0
         self.global_step = 0
-        self._updater: UpdateWeightFromTensor | UpdateWeightFromDistributed | None = None
+        self._updater: WeightUpdater | None = None
         self._asleep = False
         self._old_is_current = False  # set per rollout by _prepare
         return self._resume()
@@ -439,28 +436,14 @@ class FSDPTrainRayActor(TrainRayActor):
         self.weight_version += 1
         self._updater.update(str(self.weight_version))
 
-    def _make_updater(self) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
-        from miles.backends.sglang_utils.client import SyncEngineClient
-
-        urls = engine_urls_for_rank(
-            self.args.engine_urls, rank=self.rank, world_size=self.world_size,
-            colocate=self.args.colocate,
+    def _make_updater(self) -> WeightUpdater:
+        dtype = self.precision.engine_dtype
+        return make_weight_updater(
+            lambda: iter_full_tensors(self.model, dtype), engine_urls=self.args.engine_urls,
+            rank=self.rank, world_size=self.world_size, colocate=self.args.colocate,
+            buffer_size=self.args.fsdp.update_weight_buffer_size, dtype=dtype,
+            master_address=self.master_addr, group_name="miles-fsdp-weights",
         )  # fmt: skip
-        clients = [SyncEngineClient(url) for url in urls]
-        common = {
-            "buffer_size": self.args.fsdp.update_weight_buffer_size,
-            "dtype": self.precision.engine_dtype,
-        }
-        if self.args.colocate:
-            return UpdateWeightFromTensor(self.model, clients, **common)
-        return UpdateWeightFromDistributed(
-            self.model,
-            clients,
-            **common,
-            master_address=self.master_addr,
-            master_port=0,
-            backend=dist_backend(),
-        )
 
     def sleep(self) -> None:
         """Move parameters, gradients and optimizer state to host memory, freeing the device.

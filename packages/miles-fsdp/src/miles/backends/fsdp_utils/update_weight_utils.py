@@ -1,14 +1,13 @@
-"""Push an FSDP2 model's weights to the rollout engines (DESIGN §3.4), colocated or disaggregated.
+"""An FSDP2 model's weights under the engines' names, for weight sync (DESIGN §3.4).
 
 Every rank walks the parameters in the same order and gathers each full tensor (a collective) as
 the miles-sglang updater pulls them, so memory stays bounded; the pause / send / resume flow and
-both transports are miles-sglang's (`weight_sync.updaters`).
+both transports are miles-sglang's (`weight_sync.make_weight_updater`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.precision import hf_parameter_name
-from miles.backends.sglang_utils.weight_sync import updaters
 from miles.backends.training_utils.device import current_device
 
 
@@ -43,36 +41,6 @@ def iter_full_tensors(
                 tensor = tensor.to(gather_device)
             tensor = tensor.full_tensor()
         yield hf_parameter_name(name), tensor
-
-
-class UpdateWeightFromTensor(updaters.UpdateWeightFromTensor):
-    """Colocated engines: shared memory (CPU) or CUDA IPC handles."""
-
-    def __init__(
-        self, model: nn.Module, clients: Sequence[Any], *, buffer_size: int, dtype: torch.dtype
-    ) -> None:
-        super().__init__(
-            lambda: iter_full_tensors(model, dtype), clients, buffer_size=buffer_size, dtype=dtype
-        )
-        self.model = model
-
-
-class UpdateWeightFromDistributed(updaters.UpdateWeightFromDistributed):
-    """Disaggregated engines: a broadcast group between rank 0 and the engines."""
-
-    def __init__(
-        self, model: nn.Module, clients: Sequence[Any], *, buffer_size: int, dtype: torch.dtype,
-        **group: Any,
-    ) -> None:  # fmt: skip
-        group.setdefault("group_name", "miles-fsdp-weights")
-        super().__init__(
-            lambda: iter_full_tensors(model, dtype),
-            clients,
-            buffer_size=buffer_size,
-            dtype=dtype,
-            **group,
-        )
-        self.model = model
 
 
 def _backend() -> str | None:

@@ -40,15 +40,10 @@ from miles.backends.megatron_utils.model_provider import (
 from miles.backends.megatron_utils.offload import StorageOffloader
 from miles.backends.megatron_utils.parallel import initialize_megatron_parallel
 from miles.backends.megatron_utils.weights import export_hf_directory, iter_hf_tensors
-from miles.backends.sglang_utils.client import SyncEngineClient
-from miles.backends.sglang_utils.weight_sync import (
-    UpdateWeightFromDistributed,
-    UpdateWeightFromTensor,
-    engine_urls_for_rank,
-)
+from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
 from miles.backends.training_utils.advantages import compute_advantages_and_returns
 from miles.backends.training_utils.data import get_data_iterator
-from miles.backends.training_utils.device import dist_backend, set_device
+from miles.backends.training_utils.device import set_device
 from miles.backends.training_utils.rollout_data import RolloutBatch, batch_size, select_rows
 from miles.ray import TrainRayActor
 
@@ -126,7 +121,7 @@ class MegatronTrainRayActor(TrainRayActor):
             hf_config=self.hf_config, temperature=args.rollout_temperature, device=self.device
         )
         self.weight_version, self.global_step = 0, 0
-        self._updater: UpdateWeightFromTensor | UpdateWeightFromDistributed | None = None
+        self._updater: WeightUpdater | None = None
         self._asleep = False
         self._offloader = StorageOffloader(self.device)
         return self._resume()
@@ -319,12 +314,7 @@ class MegatronTrainRayActor(TrainRayActor):
         with visit:
             self._updater.update(str(self.weight_version))
 
-    def _make_updater(self) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
-        urls = engine_urls_for_rank(
-            self.args.engine_urls, rank=self.rank, world_size=self.world_size,
-            colocate=self.args.colocate,
-        )  # fmt: skip
-        clients = [SyncEngineClient(url) for url in urls]
+    def _make_updater(self) -> WeightUpdater:
         dtype = self._engine_dtype()
 
         def named_tensors():
@@ -333,12 +323,11 @@ class MegatronTrainRayActor(TrainRayActor):
                 mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group(),
             )  # fmt: skip
 
-        common = {"buffer_size": self.mg.update_weight_buffer_size, "dtype": dtype}
-        if self.args.colocate:
-            return UpdateWeightFromTensor(named_tensors, clients, **common)
-        return UpdateWeightFromDistributed(
-            named_tensors, clients, **common, master_address=self.master_addr, master_port=0,
-            backend=dist_backend(), group_name="miles-megatron-weights",
+        return make_weight_updater(
+            named_tensors, engine_urls=self.args.engine_urls, rank=self.rank,
+            world_size=self.world_size, colocate=self.args.colocate,
+            buffer_size=self.mg.update_weight_buffer_size, dtype=dtype,
+            master_address=self.master_addr, group_name="miles-megatron-weights",
         )  # fmt: skip
 
     def sleep(self) -> None:

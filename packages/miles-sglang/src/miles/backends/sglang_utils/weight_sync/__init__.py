@@ -44,6 +44,7 @@ from miles.backends.sglang_utils.weight_sync.updaters import (
     UpdateWeightFromTensor,
     WeightUpdater,
     engine_urls_for_rank,
+    make_weight_updater,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "iter_buckets",
     "iter_buckets_with_last",
     "load_named_tensors",
+    "make_weight_updater",
     "receive_tensors",
     "serialize_flattened_bucket",
     "serialize_named_tensors",

@@ -24,7 +24,7 @@ from miles.backends.sglang_utils.weight_sync.senders import (
     DistributedWeightSender,
     TensorWeightSender,
 )
-from miles.backends.training_utils.device import current_device
+from miles.backends.training_utils.device import current_device, dist_backend
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,34 @@ def engine_urls_for_rank(
     if colocate and len(engine_urls) == world_size:
         return [engine_urls[rank]]
     return list(engine_urls) if rank == 0 else []
+
+
+def make_weight_updater(
+    named_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    *,
+    engine_urls: Sequence[str],
+    rank: int,
+    world_size: int,
+    colocate: bool,
+    buffer_size: int,
+    dtype: torch.dtype,
+    master_address: str,
+    group_name: str = "miles-weights",
+) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
+    """The updater of one train rank: clients for the engines it feeds (`engine_urls_for_rank`),
+    then the colocated transport, or a broadcast group from rank 0 on a free port of
+    `master_address` over the process group's backend."""
+    from miles.backends.sglang_utils.client import SyncEngineClient
+
+    urls = engine_urls_for_rank(engine_urls, rank=rank, world_size=world_size, colocate=colocate)
+    clients = [SyncEngineClient(url) for url in urls]
+    if colocate:
+        return UpdateWeightFromTensor(named_tensors, clients, buffer_size=buffer_size, dtype=dtype)
+    return UpdateWeightFromDistributed(
+        named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
+        master_address=master_address, master_port=0, backend=dist_backend(),
+        group_name=group_name,
+    )  # fmt: skip
 
 
 class WeightUpdater:
