@@ -16,10 +16,12 @@ DEFAULT_CHUNK_SIZE = 1024
 
 def _chunk_log_softmax(logits: Tensor, temperature: float) -> Tensor:
     """float32 log-softmax of one (C, V) chunk of `logits / temperature`; one (C, V) temporary."""
-    scaled = logits.float()  # (C, V)
-    if temperature != 1.0:
-        scaled.div_(temperature)
-    return torch.log_softmax(scaled, dim=-1)  # (C, V)
+    if temperature == 1.0:
+        return torch.log_softmax(logits.float(), dim=-1)  # (C, V)
+    # A copy even when `logits` is float32 already (`.float()` would return the caller's tensor,
+    # and dividing it in place would change the logits the backward pass recomputes from).
+    scaled = logits.to(torch.float32, copy=True)  # (C, V)
+    return torch.log_softmax(scaled.div_(temperature), dim=-1)  # (C, V)
 
 
 def _chunk_forward(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
