@@ -1,7 +1,7 @@
 """Test-only shim: lets megatron-core's tensor-parallel GPTModel (local layer spec) run forward and
 backward on CPU processes joined by gloo, so the Megatron backend's numerics are tested without a GPU.
 
-The backend itself is GPU-only (`require_gpu`); nothing outside tests imports this module. Three
+The backend itself is GPU-only (`require_gpu`); nothing outside tests imports this module. Four
 things in megatron-core assume CUDA even when every tensor is on the CPU, found by running a
 tensor-parallel-2 forward and backward until nothing broke; each is patched here and nothing else:
 
@@ -16,6 +16,9 @@ tensor-parallel-2 forward and backward until nothing broke; each is patched here
 3. `get_default_causal_mask`: with `attention_mask=None` and a causal layer spec, megatron's
    torch softmax builds the causal mask with `device="cuda"`; the patch builds the same mask on
    the CPU. Passing `attention_mask=None` on CPU thus tests the exact call the GPU path makes.
+4. With context parallelism, the rotary embedding picks this rank's rows of its table with an
+   index built as `torch.tensor(..., pin_memory=True).cuda()`; pinned memory needs the CUDA
+   driver. There the index is built unpinned, and `.cuda()` keeps a tensor where it is.
 
 Each patch is applied only where CUDA is absent, so the same tests run unpatched on a GPU machine.
 Use: call `install_megatron_cpu_shim()` first in a worker run by this module's `run_distributed`
@@ -66,13 +69,18 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _stay_on_cpu(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return self
+
+
 def install_megatron_cpu_shim() -> Callable[[], None]:
-    """Apply the three patches of the module docstring for the rest of this process (a
+    """Apply the four patches of the module docstring for the rest of this process (a
     run_distributed worker, which exits when its function returns); a no-op where CUDA is
     available. Returns the function that undoes them."""
     if torch.cuda.is_available():
         return lambda: None
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
     import megatron.core.tensor_parallel.random as tp_random
 
     saved_current_device = torch.cuda.current_device
@@ -81,13 +89,18 @@ def install_megatron_cpu_shim() -> Callable[[], None]:
         tp_random._CUDA_RNG_STATE_TRACKER,
         tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
     )
+    saved_cuda = torch.Tensor.cuda
     torch.cuda.current_device = _cpu_current_device
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    rope_utils.torch = TorchWithoutCuda()
+    torch.Tensor.cuda = _stay_on_cpu
 
     def undo() -> None:
         torch.cuda.current_device = saved_current_device
         fused_softmax.get_default_causal_mask = saved_causal_mask
+        rope_utils.torch = torch
+        torch.Tensor.cuda = saved_cuda
         tp_random._CUDA_RNG_STATE_TRACKER, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
             saved_tracker
         )
@@ -106,6 +119,7 @@ class TorchWithoutCuda:
         device = kwargs.get("device")
         if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
             kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)  # pinning host memory needs the CUDA driver
         return kwargs
 
     def tensor(self, *args, **kwargs):
@@ -165,7 +179,6 @@ def install_megatron_training_cpu_shim() -> None:
         return tensor_type(self).replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = cuda_type_name
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None
     torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()

@@ -1,5 +1,5 @@
-"""MegatronTrainRayActor's whole life on 2 gloo processes (tensor parallel 2, then pipeline
-parallel 2; float32, the distributed optimizer) through the training CPU shim: log-probs equal the HF model's, train steps,
+"""MegatronTrainRayActor's whole life on 2 gloo processes (tensor parallel 2, pipeline parallel 2,
+then context parallel 2; float32, the distributed optimizer) through the training CPU shim: log-probs equal the HF model's, train steps,
 a distributed checkpoint that restores model, optimizer and schedule exactly (also into a fresh
 actor), HF export, sleep / wake-up, and weight updates to a real reference engine through both
 transports, the shared-memory one from a sleeping trainer."""
@@ -30,7 +30,8 @@ CPU = torch.device("cpu")
 WORLD = 2
 SETTINGS = {"params_dtype": "float32", "make_vocab_size_divisible_by": 8,
             "update_weight_buffer_size": 48 << 10}  # fmt: skip
-LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2},
+           "cp2": {"context_parallel_size": 2}}  # fmt: skip
 
 
 def _actor(rank: int, checkpoint: Path, save_dir: Path, layout: dict):

@@ -89,13 +89,9 @@ def test_sequence_parallel_without_tensor_parallelism_is_an_error_not_a_no_op():
     assert MegatronArgs(sequence_parallel=True, tensor_model_parallel_size=2).sequence_parallel
 
 
-def test_context_parallelism_needs_transformer_engine_when_it_is_absent():
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        _raises(r"--context-parallel-size 2 needs Transformer Engine", context_parallel_size=2)
-    else:
-        assert MegatronArgs(context_parallel_size=2).model_parallel_size == 2
+def test_context_parallel_ranks_count_towards_one_model_replica():
+    args = MegatronArgs(context_parallel_size=2, tensor_model_parallel_size=2)
+    assert args.model_parallel_size == 4
 
 
 @pytest.mark.parametrize(

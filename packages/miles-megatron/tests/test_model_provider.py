@@ -344,9 +344,14 @@ def test_require_gpu_refuses_this_cpu_only_machine(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shim patches nothing where CUDA is")
 def test_cpu_shim_patches_megatron_only_inside_its_block():
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
     import megatron.core.tensor_parallel.random as tp_random
 
-    before = (torch.cuda.current_device, fused_softmax.get_default_causal_mask)
+    def patched():
+        return (torch.cuda.current_device, fused_softmax.get_default_causal_mask,
+                rope_utils.torch, torch.Tensor.cuda)  # fmt: skip
+
+    before = patched()
     with megatron_on_cpu():
         assert torch.cuda.current_device() == torch.device("cpu")
         assert fused_softmax.get_default_causal_mask(3).tolist() == [
@@ -356,7 +361,9 @@ def test_cpu_shim_patches_megatron_only_inside_its_block():
         ]
         with tp_random.get_cuda_rng_tracker().fork():  # no CUDA generator is touched
             pass
-    assert (torch.cuda.current_device, fused_softmax.get_default_causal_mask) == before
+        index = rope_utils.torch.tensor([0, 3], device="cpu", pin_memory=True).cuda()
+        assert index.device == torch.device("cpu")
+    assert patched() == before
 
 
 # -- the same comparisons on two GPUs ------------------------------------------------------------

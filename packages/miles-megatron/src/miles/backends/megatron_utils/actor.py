@@ -5,7 +5,7 @@ model is a GPTModel built from the Hugging Face config (Qwen2, Qwen3, Llama) and
 weights; the optimizer is Megatron's (distributed by default). Losses, advantages and their
 normalization are training-utils', exactly as in the FSDP backend. GPU-only: `init` refuses a
 machine without NVIDIA or AMD GPUs. Not supported yet (refused at `init`, naming the flag): a
-critic and context parallelism.
+critic.
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ class MegatronTrainRayActor(TrainRayActor):
                 f"--advantage-estimator {args.loss.advantage_estimator}; use a critic-free "
                 "estimator such as grpo"
             )
-        if mg.context_parallel_size > 1:
-            raise ValueError(
-                f"--context-parallel-size {mg.context_parallel_size}: the megatron backend does "
-                "not split sequences over context-parallel ranks yet; use 1"
-            )
         self.args, self.mg = args, mg
         self.device = set_device(self.local_rank)
         self.setup_distributed()
@@ -118,8 +113,9 @@ class MegatronTrainRayActor(TrainRayActor):
             wd_incr_style="constant",
         )
         self.forward = MicroBatchForward(
-            hf_config=self.hf_config, temperature=args.rollout_temperature, device=self.device
-        )
+            hf_config=self.hf_config, temperature=args.rollout_temperature, device=self.device,
+            cp_group=mpu.get_context_parallel_group(),
+        )  # fmt: skip
         self.weight_version, self.global_step = 0, 0
         self._updater: WeightUpdater | None = None
         self._asleep = False
@@ -202,11 +198,15 @@ class MegatronTrainRayActor(TrainRayActor):
         compute_advantages_and_returns(batch, loss, group=mpu.get_data_parallel_group())
 
     def _micro_batches(self, batch: RolloutBatch):
+        dynamic = self.mg.use_dynamic_batch_size
+        # Each context-parallel rank holds 1/cp of every sequence: the per-GPU token budget
+        # admits cp times the tokens per micro-batch.
+        budget = self.mg.max_tokens_per_gpu
         return get_data_iterator(
             batch,
-            micro_batch_size=None if self.mg.use_dynamic_batch_size else self.mg.micro_batch_size,
-            max_tokens_per_gpu=self.mg.max_tokens_per_gpu,
-            use_dynamic_batch_size=self.mg.use_dynamic_batch_size,
+            micro_batch_size=None if dynamic else self.mg.micro_batch_size,
+            max_tokens_per_gpu=budget * self.mg.context_parallel_size if dynamic else budget,
+            use_dynamic_batch_size=dynamic,
         )
 
     def _forward_log_probs(self, model: torch.nn.Module, batch: RolloutBatch) -> list[torch.Tensor]:

@@ -7,7 +7,6 @@ reject deep inside model construction raise here, naming the flag and the values
 
 from __future__ import annotations
 
-import importlib.util
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,7 +28,8 @@ class MegatronArgs(TrainerArgs):
     pipeline_model_parallel_size: int = 1
     """Ranks that split the layer stack into consecutive stages."""
     context_parallel_size: int = 1
-    """Ranks that split one sequence; above 1 needs Transformer Engine's attention."""
+    """Ranks that split every sequence (2 x cp load-balanced chunks each); attention all-gathers
+    keys and values over them."""
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of mixture-of-experts layers; 1 for dense models."""
     sequence_parallel: bool = False
@@ -75,13 +75,6 @@ def _check_parallel(args: MegatronArgs) -> None:
             "--sequence-parallel splits activations over the tensor-parallel ranks, but "
             "--tensor-model-parallel-size is 1, so it would do nothing; drop --sequence-parallel "
             "or raise --tensor-model-parallel-size"
-        )
-    cp = args.context_parallel_size
-    # Megatron's local DotProductAttention asserts cp == 1; only TE's attention splits sequences.
-    if cp > 1 and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError(
-            f"--context-parallel-size {cp} needs Transformer Engine's attention, and "
-            "transformer_engine is not installed; install it or use --context-parallel-size 1"
         )
 
 

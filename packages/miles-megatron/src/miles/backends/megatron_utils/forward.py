@@ -6,6 +6,11 @@ The vocab-parallel logits are gathered over the tensor-parallel group before the
 and exact; a vocab-parallel log-softmax would save that memory). Megatron's schedule divides each
 micro-batch's loss by the number of micro-batches; training-utils' loss is already normalized by
 global counts, so the loss handed to the schedule is multiplied back.
+
+With context parallelism each rank runs its slice of every sequence (`context_parallel`): it takes
+the log-probs of its own positions and all-gathers them (B x T floats, not logits), so every
+context-parallel rank computes the whole micro-batch's loss, and the gather's backward hands each
+rank the gradient of its positions.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from miles.backends.megatron_utils.context_parallel import (
+    gather_sequence,
+    local_positions,
+    split_sequence,
+)
 from miles.backends.training_utils.data import get_batch
 from miles.backends.training_utils.log_utils import aggregate_train_losses, log_train_step
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
@@ -48,10 +58,15 @@ def pad_micro_batch(
 class MicroBatchForward:
     """Builds the forward-step function Megatron's pipeline schedules call per micro-batch."""
 
-    def __init__(self, *, hf_config: Any, temperature: float, device: torch.device):
+    def __init__(
+        self, *, hf_config: Any, temperature: float, device: torch.device, cp_group: Any = None
+    ):
         self.vocab_size = hf_config.vocab_size
         self.temperature = temperature
         self.device = device
+        self.cp_group = cp_group
+        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
 
     def normalizer(
         self, step_batch: RolloutBatch, *, global_batch_size: int, dp_size: int, dp_group: Any
@@ -77,15 +92,26 @@ class MicroBatchForward:
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
-            input_ids, position_ids, positions, targets = pad_micro_batch(micro)
+            input_ids, position_ids, positions, targets = pad_micro_batch(
+                micro, multiple_of=2 * self.cp_size if self.cp_size > 1 else 1
+            )
+            model_ids, model_positions = input_ids, position_ids
+            if self.cp_size > 1:
+                model_ids = split_sequence(input_ids, 1, self.cp_rank, self.cp_size)
+                model_positions = split_sequence(position_ids, 1, self.cp_rank, self.cp_size)
             output = model(
-                input_ids=input_ids.to(self.device),
-                position_ids=position_ids.to(self.device),
+                input_ids=model_ids.to(self.device),
+                position_ids=model_positions.to(self.device),
                 attention_mask=None,  # causal: right padding never reaches an earlier position
             )
 
             def loss_func(output_tensor: torch.Tensor):
-                log_probs, entropy = self._response_log_probs(output_tensor, positions, targets)
+                if self.cp_size > 1:
+                    log_probs, entropy = self._split_response_log_probs(
+                        output_tensor, input_ids, positions
+                    )
+                else:
+                    log_probs, entropy = self._response_log_probs(output_tensor, positions, targets)
                 if collect == "log_probs":
                     pieces = [p.detach().float().cpu() for p in log_probs]
                     return output_tensor.sum() * 0.0, {"log_probs": pieces}
@@ -95,7 +121,9 @@ class MicroBatchForward:
                     loss_config,
                     normalizer,
                 )
-                return loss * num_micro_batches, {"metrics": metrics}
+                # Megatron multiplies a loss by the context-parallel size, expecting each rank's
+                # share of it; every context-parallel rank here holds the whole loss.
+                return loss * num_micro_batches / self.cp_size, {"metrics": metrics}
 
             return output, loss_func
 
@@ -118,6 +146,29 @@ class MicroBatchForward:
             log_probs.append(lp)
             entropies.append(ent)
         return log_probs, entropies
+
+    def _split_response_log_probs(
+        self, logits: torch.Tensor, input_ids: torch.Tensor, positions: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`_response_log_probs` when `logits` [B, T / cp, V / tp] cover this context-parallel
+        rank's slice of the padded `input_ids` [B, T]: log-probs of every local position's next
+        token, gathered over the context-parallel group, then each sample's response picked."""
+        full = gather_from_tensor_model_parallel_region(logits)[..., : self.vocab_size]
+        rows, length = input_ids.shape
+        here = local_positions(length, self.cp_rank, self.cp_size)
+        next_ids = input_ids[:, (here + 1).clamp(max=length - 1)]  # (B, T / cp); last: padding
+        log_probs, entropy = get_log_probs_and_entropy(
+            full.reshape(-1, full.size(-1)),
+            next_ids.reshape(-1).to(full.device),
+            temperature=self.temperature,
+        )
+        log_probs = gather_sequence(log_probs.view(rows, -1), 1, self.cp_group)  # (B, T)
+        entropy = gather_sequence(entropy.view(rows, -1), 1, self.cp_group)
+        picked = [pos.to(full.device) for pos in positions]
+        return (
+            [log_probs[row, pos] for row, pos in enumerate(picked)],
+            [entropy[row, pos] for row, pos in enumerate(picked)],
+        )
 
     def _loss_inputs(
         self, micro: RolloutBatch, log_probs: list, entropy: list, loss_config: LossConfig

@@ -18,12 +18,14 @@ from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles.backends.megatron_utils.arguments import (
     MegatronArgs,
     padded_vocab_size,
     validate_against_hf,
 )
+from miles.backends.megatron_utils.context_parallel import ContextParallelAttention
 from miles.backends.megatron_utils.convert import attention_dims, hf_to_megatron
 from miles.backends.megatron_utils.tp_sharding import tp_shard
 from miles.backends.training_utils.device import get_device_info
@@ -117,9 +119,7 @@ def build_gpt_model(
     rope_theta, rope_scaling_factor = _rope(hf_config)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
-        ),
+        transformer_layer_spec=_layer_spec(config),
         vocab_size=padded_vocab_size(
             hf_config.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         ),
@@ -132,6 +132,15 @@ def build_gpt_model(
         rope_scaling=rope_scaling_factor is not None,
         rope_scaling_factor=rope_scaling_factor or 8.0,
     )
+
+
+def _layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Megatron's local layer spec; with context parallelism its core attention (which refuses
+    cp > 1) is replaced by ours, which gathers keys and values over the context-parallel group."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if config.context_parallel_size > 1:
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
 
 
 def load_hf_weights(

@@ -1,0 +1,175 @@
+"""Context parallelism without Transformer Engine: each rank holds a slice of every sequence.
+
+Megatron's layout, which its rotary embedding already follows (`get_pos_emb_on_this_cp_rank`):
+a sequence padded to a multiple of 2 x cp is cut into 2 x cp equal chunks, and rank r holds
+chunks r and 2cp-1-r, so every rank gets the same share of causal-attention work (an early chunk
+attends to little, its mirror to almost everything).
+
+Attention is the one place where tokens meet. Megatron's local `DotProductAttention` refuses
+cp > 1 (only Transformer Engine's ring attention splits sequences), so `ContextParallelAttention`
+takes its place in the layer spec: it all-gathers keys and values over the context-parallel group
+(Llama 3's all-gather context parallelism: one collective per layer, cheap next to the attention
+itself for grouped-query models) and masks by global position. Its backward sums each rank's
+key/value gradients back onto the rank that owns them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def local_positions(length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions (L / cp,) of the tokens rank `cp_rank` holds of a length-`length`
+    sequence, in the order it holds them."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"context-parallel rank {cp_rank} is not in a group of {cp_size}")
+    if length % (2 * cp_size):
+        raise ValueError(
+            f"a sequence of {length} tokens cannot be split over {cp_size} context-parallel "
+            f"ranks: pad it to a multiple of 2 x {cp_size} = {2 * cp_size}"
+        )
+    chunk = length // (2 * cp_size)
+    early, late = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat(
+        [
+            torch.arange(early * chunk, (early + 1) * chunk),
+            torch.arange(late * chunk, (late + 1) * chunk),
+        ]
+    )
+
+
+def split_sequence(tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This rank's slice of `tensor` along its sequence dimension `dim`."""
+    index = local_positions(tensor.size(dim), cp_rank, cp_size).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+# torch 2.14 renamed the single-tensor collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenates every rank's equally shaped tensor along dim 0, in rank order. Backward: a
+    rank's gradient is the sum over ranks of the gradient reaching its piece (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        gathered = local.new_empty((size * local.size(0), *local.shape[1:]))
+        _all_gather_single(gathered, local.contiguous(), group=group)
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        mine = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
+        _reduce_scatter_single(mine, grad.contiguous(), group=ctx.group)
+        return mine, None
+
+
+def all_gather_along(local: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `local` concatenated along `dim` in rank order, differentiably."""
+    return _AllGather.apply(local.movedim(dim, 0), group).movedim(0, dim)
+
+
+def gather_sequence(local: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The whole sequence, in global order, from every rank's `split_sequence` slice; gradients
+    flow back to the rank that owns each position."""
+    cp_size = dist.get_world_size(group)
+    gathered = all_gather_along(local, dim, group)
+    length = gathered.size(dim)
+    held = torch.cat([local_positions(length, r, cp_size) for r in range(cp_size)])
+    return gathered.index_select(dim, torch.argsort(held).to(gathered.device))
+
+
+class ContextParallelAttention(MegatronModule):
+    """Causal core attention over a sequence split across the context-parallel group.
+
+    Built by megatron's `SelfAttention` from the layer spec, with `DotProductAttention`'s
+    constructor arguments. Takes this rank's query [sq, b, heads, d] and key / value
+    [sq, b, groups, d] (rotary embedding already applied at their global positions) and returns
+    [sq, b, heads x d]: each local query attends to every key at or before its global position.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(
+                f"ContextParallelAttention computes causal attention only, got {attn_mask_type}"
+            )
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if config.apply_query_key_layer_scaling or softmax_type != "vanilla":
+            raise ValueError(
+                "ContextParallelAttention supports plain softmax attention only "
+                f"(apply_query_key_layer_scaling={config.apply_query_key_layer_scaling}, "
+                f"softmax_type={softmax_type!r})"
+            )
+        cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp if cp is not None else mpu.get_context_parallel_group()
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if (
+            attention_mask is not None
+            or attention_bias is not None
+            or packed_seq_params is not None
+        ):
+            raise ValueError(
+                "ContextParallelAttention builds its causal mask from global positions; it takes "
+                "no attention mask, bias or packed-sequence parameters"
+            )
+        cp_size = dist.get_world_size(self.cp_group)
+        cp_rank = dist.get_rank(self.cp_group)
+        local, batch, heads, head_dim = query.shape
+        length = local * cp_size
+        # Keys and values stay in gathered (rank-major) order: the mask, not their order,
+        # decides who sees whom.
+        key = all_gather_along(key, 0, self.cp_group)
+        value = all_gather_along(value, 0, self.cp_group)
+        query_at = local_positions(length, cp_rank, cp_size).to(query.device)
+        key_at = torch.cat([local_positions(length, r, cp_size) for r in range(cp_size)])
+        visible = key_at.to(query.device)[None, :] <= query_at[:, None]  # (sq, sk)
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            context = F.scaled_dot_product_attention(
+                query.permute(1, 2, 0, 3),  # (b, heads, sq, d)
+                key.permute(1, 2, 0, 3),  # (b, groups, sk, d)
+                value.permute(1, 2, 0, 3),
+                attn_mask=visible,
+                dropout_p=dropout,
+                scale=self.softmax_scale,
+                enable_gqa=key.size(2) != heads,
+            )
+        return context.permute(2, 0, 1, 3).reshape(local, batch, heads * head_dim)
