@@ -112,8 +112,11 @@ def life(request, tmp_path_factory) -> dict:
     save_dir, layout = tmp / "save", LAYOUTS[request.param]
     with reference_engine(engine_checkpoint, "cpu") as url:
         ranks = run_distributed(_life, WORLD, checkpoint, save_dir, layout, url, timeout_s=420)
-    # The pointer names rollout 0 (the one save); a new process resumes from it.
-    fresh = run_distributed(_fresh_resume, WORLD, checkpoint, save_dir, layout, timeout_s=240)
+    # The pointer names rollout 0 (the one save); a new process resumes from it. Checked for tp2
+    # only (each run costs ~15 s); every layout restores its files in-process in `_life`.
+    fresh = None
+    if request.param == "tp2":
+        fresh = run_distributed(_fresh_resume, WORLD, checkpoint, save_dir, layout, timeout_s=240)
     return {"ranks": ranks, "fresh": fresh}
 
 
@@ -139,6 +142,7 @@ def test_a_checkpoint_restores_model_and_optimizer_exactly_and_resumes_like_no_s
         assert rank["resume_vs_uninterrupted"] < 1e-6
 
 
+@pytest.mark.parametrize("life", ["tp2"], indirect=True)
 def test_a_new_process_resumes_after_the_saved_rollout_with_the_saved_state(life):
     for saved, fresh in zip(life["ranks"], life["fresh"], strict=True):
         assert fresh["start"] == 1

@@ -1,34 +1,20 @@
-"""The actor's micro-batch path through Megatron's own schedule, on 2 gloo processes with tp=2.
+"""The actor's micro-batch padding, its refusal of a machine without GPUs, and the flags
+`miles train --train-backend megatron` exposes.
 
-Log-probs of the response tokens of right-padded samples of different lengths equal the HF
-model's; a training micro-step gives a finite loss and gradients on every rank. Also: the actor
-refuses a machine without GPUs, and `miles train --train-backend megatron` exposes its flags.
+The micro-batch path through Megatron's schedules (log-probs of right-padded samples equal the HF
+model's, training steps) runs inside the whole actor in test_actor.py, at every parallel layout.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
 
 from miles.backends.megatron_utils.arguments import MegatronArgs
 from miles.backends.megatron_utils.forward import pad_micro_batch
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.loss_config import LossConfig
 
-from .cpu_shim import TorchWithoutCuda, install_megatron_cpu_shim, run_distributed
-
-ARGS = {"tensor_model_parallel_size": 2, "params_dtype": "float32",
-        "make_vocab_size_divisible_by": 8, "seed": 0}  # fmt: skip
-CONFIG = transformers.Qwen3Config(
-    vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    tie_word_embeddings=True,
-)  # fmt: skip
 SAMPLES = [list(range(3, 14)), list(range(40, 47))]  # two documents of different lengths
 RESPONSE_LENGTHS = [4, 3]
-TEMPERATURE = 0.7
 
 
 def micro_batch() -> dict:
@@ -41,99 +27,18 @@ def micro_batch() -> dict:
     }
 
 
-def hf_log_probs(state: dict) -> list[torch.Tensor]:
-    model = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
-    model.load_state_dict(state)
-    out = []
-    for tokens, r in zip(SAMPLES, RESPONSE_LENGTHS, strict=True):
-        ids = torch.tensor([tokens])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0]  # (L, V)
-        lp, _ = get_log_probs_and_entropy(
-            logits[len(tokens) - r - 1 : -1], ids[0, len(tokens) - r :], temperature=TEMPERATURE
-        )
-        out.append(lp)
-    return out
-
-
-def _worker(rank: int, state: dict) -> dict:
-    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
-
-    from miles.backends.megatron_utils.forward import MicroBatchForward
-    from miles.backends.megatron_utils.model_provider import build_gpt_model, load_hf_weights
-    from miles.backends.megatron_utils.parallel import (
-        destroy_megatron_parallel,
-        initialize_megatron_parallel,
-    )
-    from miles.backends.training_utils.loss import LossNormalizer
-
-    keep = install_megatron_cpu_shim()  # noqa: F841 (the patches live as long as this)
-    schedules.torch = TorchWithoutCuda()
-    args = MegatronArgs(**ARGS)
-    initialize_megatron_parallel(args)
-    model = build_gpt_model(CONFIG, args)
-    load_hf_weights(model, state, CONFIG, args)
-    forward = MicroBatchForward(
-        hf_config=CONFIG, temperature=TEMPERATURE, device=torch.device("cpu")
-    )
-    schedule = get_forward_backward_func()
-
-    def run(collect: str, **kwargs):
-        micro = micro_batch()
-        if collect == "loss":
-            micro["log_probs"] = [torch.zeros(r) for r in RESPONSE_LENGTHS]
-        return schedule(
-            forward_step_func=forward.step_func(
-                LossConfig(), collect=collect, num_micro_batches=1,
-                forward_only=kwargs["forward_only"], normalizer=kwargs.get("normalizer"),
-            ),
-            data_iterator=iter([micro]), model=[model], num_microbatches=1,
-            seq_length=max(len(t) for t in SAMPLES), micro_batch_size=2,
-            forward_only=kwargs["forward_only"],
-        )  # fmt: skip
-
-    log_probs = run("log_probs", forward_only=True)[0]["log_probs"]
-    normalizer = LossNormalizer(num_samples=2, num_tokens=sum(RESPONSE_LENGTHS), dp_size=1)
-    metrics = run("loss", forward_only=False, normalizer=normalizer)[0]["metrics"]
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    result = {
-        "log_probs": log_probs,
-        "pg_loss": float(metrics["pg_loss"][0]),
-        "grad_finite": all(bool(torch.isfinite(g).all()) for g in grads),
-        "num_grads": len(grads),
-    }
-    destroy_megatron_parallel()
-    return result
-
-
-@pytest.fixture(scope="module")
-def results():
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32).state_dict()
-    return state, run_distributed(_worker, 2, state, timeout_s=240)
-
-
-def test_response_log_probs_of_padded_samples_equal_the_hf_models(results):
-    state, per_rank = results
-    expected = hf_log_probs(state)
-    for rank_result in per_rank:
-        for ours, theirs in zip(rank_result["log_probs"], expected, strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
-
-
-def test_a_training_micro_step_gives_finite_gradients_on_every_rank(results):
-    _, per_rank = results
-    for rank_result in per_rank:
-        assert rank_result["grad_finite"] and rank_result["num_grads"] > 0
-    assert per_rank[0]["pg_loss"] == pytest.approx(per_rank[1]["pg_loss"])
-
-
 def test_pad_micro_batch_points_each_response_token_at_its_predicting_position():
     input_ids, position_ids, positions, targets = pad_micro_batch(micro_batch())
     assert input_ids.shape == (2, 11) and position_ids[1].tolist() == list(range(11))
     assert input_ids[1, 7:].eq(0).all()  # right padding after the shorter document
     assert positions[0].tolist() == [6, 7, 8, 9] and targets[0].tolist() == SAMPLES[0][7:]
     assert positions[1].tolist() == [3, 4, 5] and targets[1].tolist() == SAMPLES[1][4:]
+
+
+def test_context_parallel_padding_rounds_the_width_up_to_twice_the_ranks():
+    input_ids, position_ids, positions, _ = pad_micro_batch(micro_batch(), multiple_of=4)
+    assert input_ids.shape == (2, 12) and position_ids.shape == (2, 12)
+    assert input_ids[0, 11] == 0 and positions[0].tolist() == [6, 7, 8, 9]
 
 
 def test_the_actor_refuses_a_machine_without_gpus(tmp_path):
