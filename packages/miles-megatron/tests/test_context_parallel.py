@@ -2,7 +2,7 @@
 
 The layout: every rank gets an equal, causally balanced share of each sequence, the shares cover
 it exactly once, and Megatron's rotary embedding slices its table the same way. The attention on
-2 gloo processes: each rank's output and the gradients of queries, keys and values equal a
+2 gloo processes (and over NCCL on 2 GPUs): each rank's output and the gradients of queries, keys and values equal a
 float64 full-sequence causal attention with grouped-query heads. The model-level checks (log-probs
 equal HF's, training steps, the FSDP backend's gradient norm) are in test_actor.py and
 tests/e2e/test_megatron_matches_fsdp.py.
@@ -18,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles.backends.megatron_utils.context_parallel import local_positions, split_sequence
+from miles.backends.training_utils.testing import free_port
 
 from .cpu_shim import install_megatron_cpu_shim, run_distributed
+from .gpu_world import join_nccl_world
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 12, 2, 4, 2, 8
 
@@ -61,7 +63,7 @@ def _reference(q, k, v) -> torch.Tensor:
     return torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(q.size(0), q.size(1), -1)
 
 
-def _attention_worker(rank: int, q, k, v, weight) -> dict:
+def _attention_worker(rank: int, q, k, v, weight, nccl_init_method: str | None = None) -> dict:
     import torch.distributed as dist
     from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
     from megatron.core.transformer import TransformerConfig
@@ -72,7 +74,11 @@ def _attention_worker(rank: int, q, k, v, weight) -> dict:
         gather_sequence,
     )
 
-    install_megatron_cpu_shim()
+    if nccl_init_method is None:
+        install_megatron_cpu_shim()
+    else:
+        device = join_nccl_world(rank, nccl_init_method)
+        q, k, v, weight = (t.to(device) for t in (q, k, v, weight))
     size = dist.get_world_size()
     config = TransformerConfig(
         num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
@@ -88,16 +94,21 @@ def _attention_worker(rank: int, q, k, v, weight) -> dict:
     # A different weight per position makes every gradient depend on which rank owns what.
     (out * split_sequence(weight, 0, rank, size)).sum().backward()
     table = torch.arange(SEQ, dtype=torch.float64).view(SEQ, 1, 1, 1)
-    return {
+    rope_rows = get_pos_emb_on_this_cp_rank(table.to(q.device), 0, dist.group.WORLD)
+    result = {
         "out": out.detach(),
         "grads": [t.grad for t in local],
         "gathered": gather_sequence(local[0].detach(), 0, dist.group.WORLD),
-        "rope_rows": get_pos_emb_on_this_cp_rank(table, 0, dist.group.WORLD).flatten(),
+        "rope_rows": rope_rows.flatten(),
     }
+    return {key: _to_cpu(value) for key, value in result.items()}
 
 
-@pytest.fixture(scope="module")
-def attention_run():
+def _to_cpu(value):
+    return [t.cpu() for t in value] if isinstance(value, list) else value.cpu()
+
+
+def _attention_run(nccl_init_method: str | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen, dtype=torch.float64)
@@ -106,22 +117,35 @@ def attention_run():
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = _reference(*full)
     (expected * weight).sum().backward()
-    ranks = run_distributed(_attention_worker, 2, q, k, v, weight, timeout_s=180)
+    ranks = run_distributed(_attention_worker, 2, q, k, v, weight, nccl_init_method, timeout_s=180)
     return {"inputs": (q, k, v), "expected": expected.detach(), "full": full, "ranks": ranks}
 
 
-def test_each_rank_attends_causally_over_the_whole_sequence(attention_run):
+@pytest.fixture(scope="module")
+def attention_run() -> dict:
+    return _attention_run()
+
+
+def _check_outputs(attention_run: dict) -> None:
     for rank, result in enumerate(attention_run["ranks"]):
         expected = split_sequence(attention_run["expected"], 0, rank, 2)
         torch.testing.assert_close(result["out"], expected, rtol=1e-12, atol=1e-12)
 
 
-def test_query_key_and_value_gradients_equal_the_full_attentions(attention_run):
+def _check_gradients(attention_run: dict) -> None:
     for rank, result in enumerate(attention_run["ranks"]):
         for ours, full in zip(result["grads"], attention_run["full"], strict=True):
             torch.testing.assert_close(
                 ours, split_sequence(full.grad, 0, rank, 2), rtol=1e-12, atol=1e-12
             )
+
+
+def test_each_rank_attends_causally_over_the_whole_sequence(attention_run):
+    _check_outputs(attention_run)
+
+
+def test_query_key_and_value_gradients_equal_the_full_attentions(attention_run):
+    _check_gradients(attention_run)
 
 
 def test_gather_restores_global_order_and_the_rotary_table_is_sliced_like_the_tokens(
@@ -131,3 +155,11 @@ def test_gather_restores_global_order_and_the_rotary_table_is_sliced_like_the_to
     for rank, result in enumerate(attention_run["ranks"]):
         assert torch.equal(result["gathered"], q)
         assert result["rope_rows"].long().tolist() == local_positions(SEQ, rank, 2).tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_on_two_gpus_over_nccl_outputs_and_gradients_equal_the_full_attentions():
+    run = _attention_run(f"tcp://127.0.0.1:{free_port()}")
+    _check_outputs(run)
+    _check_gradients(run)

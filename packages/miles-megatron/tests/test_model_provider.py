@@ -29,6 +29,7 @@ from miles.backends.training_utils.device import get_device_info
 from miles.backends.training_utils.testing import free_port
 
 from .cpu_shim import install_megatron_cpu_shim, megatron_on_cpu, run_distributed
+from .gpu_world import join_nccl_world
 
 TP = 2
 BATCH, SEQ = 2, 12
@@ -145,7 +146,7 @@ def _megatron_worker(rank: int, payload: list[tuple], nccl_init_method: str | No
         install_megatron_cpu_shim()
         device = torch.device("cpu")
     else:
-        device = _join_nccl_world(rank, nccl_init_method)
+        device = join_nccl_world(rank, nccl_init_method)
     state = initialize_megatron_parallel(MegatronArgs(**MEGATRON_ARGS))
     results = {"tp": (state.tp.rank, state.tp.size), "dp": (state.dp.rank, state.dp.size)}
     args = MegatronArgs(**MEGATRON_ARGS)
@@ -155,15 +156,6 @@ def _megatron_worker(rank: int, payload: list[tuple], nccl_init_method: str | No
         results[arch] = _forward_backward(model, input_ids.to(device), hf_config.vocab_size)
     destroy_megatron_parallel()
     return results
-
-
-def _join_nccl_world(rank: int, init_method: str) -> torch.device:
-    """Swap run_distributed's gloo world for an NCCL one over the same ranks (GPU tests)."""
-    world = dist.get_world_size()
-    dist.destroy_process_group()
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
-    return torch.device("cuda", rank)
 
 
 def _forward_backward(model, input_ids: torch.Tensor, vocab_size: int) -> dict:

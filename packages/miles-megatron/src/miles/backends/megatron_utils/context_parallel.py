@@ -15,6 +15,7 @@ key/value gradients back onto the rank that owns them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -162,7 +163,9 @@ class ContextParallelAttention(MegatronModule):
         key_at = torch.cat([local_positions(length, r, cp_size) for r in range(cp_size)])
         visible = key_at.to(query.device)[None, :] <= query_at[:, None]  # (sq, sk)
         dropout = self.dropout if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork():
+        # Dropout draws from Megatron's tensor-parallel RNG stream, as its own attention does.
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext()
+        with rng:
             context = F.scaled_dot_product_attention(
                 query.permute(1, 2, 0, 3),  # (b, heads, sq, d)
                 key.permute(1, 2, 0, 3),  # (b, groups, sk, d)
