@@ -19,7 +19,13 @@ import torch
 import ray
 from miles.config.schema import MilesConfig
 from miles.ray.cluster import init_ray
-from miles.ray.placement import Placement, create_placement, plan_placement, remove_placement
+from miles.ray.placement import (
+    Placement,
+    PlacementPlan,
+    create_placement,
+    plan_placement,
+    remove_placement,
+)
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
@@ -61,20 +67,7 @@ class Run:
 
     def _start(self) -> None:
         config, cluster, training = self.config, self.config.cluster, self.config.training
-        plan = plan_placement(
-            actor_num_nodes=cluster.actor_num_nodes,
-            actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
-            rollout_num_gpus=cluster.rollout_num_gpus,
-            rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
-            colocate=cluster.colocate,
-            use_gpus=torch.cuda.is_available(),
-            cpus_per_bundle=cluster.cpus_per_bundle,
-        )
-        # On CPU a bundle is a worker slot, not a core: a laptop with 2 cores still runs 3 slots.
-        needed_cpus = int(plan.total_resources().get("CPU", 0) + 1)
-        init_ray(config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        self.placement = create_placement(plan)
+        self.placement, has_gpus = self._reserve_placement()
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         self.rollout_manager = manager_class.remote(config, self.placement, dp_size=dp_size)
@@ -84,6 +77,12 @@ class Run:
             engine_urls = ray.get(self.rollout_manager.start_engines.remote())
         else:
             engine_urls = []
+        # Colocated engines took the shared devices when they started: they free them while the
+        # trainer builds its model and optimizer, and get them back (the trainer asleep) before
+        # the first weight update and generation.
+        share_devices = cluster.colocate and bool(engine_urls) and not training.debug_rollout_only
+        if share_devices:
+            ray.get(self.rollout_manager.offload.remote())
         if not training.debug_rollout_only:
             self.trainers = RayTrainGroup(
                 load_plugin(TRAIN_BACKENDS, cluster.train_backend),
@@ -102,6 +101,8 @@ class Run:
                     f"the {cluster.train_backend} backend formed {self.trainers.dp_size} "
                     f"data-parallel replicas, but the rollout was split for {dp_size}"
                 )
+        if share_devices:
+            self.offload_trainer_and_onload_engines()
         resumed = ray.get(self.rollout_manager.load.remote())
         if self.trainers is not None and resumed is not None:
             if resumed + 1 != self.start_rollout_id:
@@ -127,6 +128,31 @@ class Run:
             "run: rollouts %d..%d of %d, %d train rank(s), %d engine(s)",
             self.start_rollout_id, self.num_rollout - 1, self.num_rollout, dp_size, len(engine_urls),
         )  # fmt: skip
+
+    def _reserve_placement(self) -> tuple[Placement, bool]:
+        """Join (or start) Ray and reserve the run's bundles; also whether the cluster has GPUs."""
+        # A local start gets this machine's devices; on CPU a bundle is a worker slot, not a
+        # core, so a laptop with 2 cores still runs 3 slots.
+        plan = self._placement_plan(use_gpus=torch.cuda.is_available())
+        needed_cpus = int(plan.total_resources().get("CPU", 0) + 1)
+        init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        if has_gpus != ("GPU" in plan.total_resources()):
+            # A joined cluster's devices are not this driver's (e.g. a CPU-only head node).
+            plan = self._placement_plan(use_gpus=has_gpus)
+        return create_placement(plan), has_gpus
+
+    def _placement_plan(self, *, use_gpus: bool) -> PlacementPlan:
+        cluster = self.config.cluster
+        return plan_placement(
+            actor_num_nodes=cluster.actor_num_nodes,
+            actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
+            rollout_num_gpus=cluster.rollout_num_gpus,
+            rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
+            colocate=cluster.colocate,
+            use_gpus=use_gpus,
+            cpus_per_bundle=cluster.cpus_per_bundle,
+        )
 
     def close(self) -> None:
         """Stop every process of the run; safe to call after a failed start."""
