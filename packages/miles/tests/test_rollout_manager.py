@@ -1,4 +1,5 @@
-"""RolloutManager end to end on real Ray: engines in their bundles, a rollout, eval, state, dispose."""
+"""RolloutManager end to end on real Ray: engines in their bundles, a rollout, eval, state, dispose;
+and the launch settings of each engine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import ray
 from miles.config import load_config
 from miles.ray.cluster import init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
-from miles.ray.rollout_manager import RolloutManager
+from miles.ray.rollout_manager import RolloutManager, engine_launch_spec
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 
 GROUP = 2
@@ -123,3 +124,26 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize(
+    ("engine", "flags", "expected_extra"),
+    [
+        ("sglang", ["--colocate"], {"enable-memory-saver": True}),
+        ("sglang", ["--colocate", "--sglang-context-length", "64"],
+         {"context-length": "64", "enable-memory-saver": True}),
+        ("sglang", ["--rollout-num-gpus", "1"], {}),
+        ("reference", ["--colocate"], {}),
+    ],
+)  # fmt: skip
+def test_colocated_sglang_engines_start_with_the_memory_saver(
+    engine, flags, expected_extra, tmp_path
+):
+    # Without it SGLang "releases" its memory by keeping it, and the colocated trainer runs out.
+    config = load_config([
+        "--hf-checkpoint", "c", "--prompt-data", "d.jsonl", "--rollout-batch-size", "2",
+        "--actor-num-gpus-per-node", "2", "--seed", "5", *flags,
+    ])  # fmt: skip
+    spec = engine_launch_spec(config, engine, 1, tmp_path)
+    assert spec["extra_args"] == expected_extra
+    assert spec["random_seed"] == 6 and spec["log_path"] == str(tmp_path / "engine_1.log")

@@ -56,6 +56,26 @@ def resolve_router(choice: str) -> str:
     return "sglang-router" if importlib.util.find_spec("sglang_router") else "builtin"
 
 
+def engine_launch_spec(config: MilesConfig, engine: str, index: int, log_dir: Path) -> dict:
+    """EngineLaunchSpec fields of engine `index` of kind `engine` ("sglang" or "reference")."""
+    extra_args = dict(config.engine.sglang_extra_args)
+    if engine == "sglang" and config.cluster.colocate:
+        # Without the memory saver, SGLang answers /release_memory_occupation with success and
+        # keeps every byte: the colocated trainer would then run out of device memory.
+        extra_args.setdefault("enable-memory-saver", True)
+    return {
+        "model_path": config.checkpoint.hf_checkpoint,
+        "num_devices": config.cluster.rollout_num_gpus_per_engine,
+        "dtype": config.engine.engine_dtype,
+        "max_running_requests": config.engine.engine_max_running_requests,
+        "mem_fraction_static": config.engine.engine_mem_fraction_static,
+        "random_seed": config.training.seed + index,
+        "startup_timeout_s": config.engine.engine_startup_timeout_s,
+        "log_path": str(log_dir / f"engine_{index}.log"),
+        "extra_args": extra_args,
+    }
+
+
 class RolloutManager:
     """Everything between "rollout N starts" and "train data of rollout N is in the object store".
 
@@ -112,17 +132,7 @@ class RolloutManager:
         starts = []
         for i in range(num_engines):
             actor = self._engine_actor(i, has_gpus)
-            spec = {
-                "model_path": config.checkpoint.hf_checkpoint,
-                "num_devices": config.cluster.rollout_num_gpus_per_engine,
-                "dtype": config.engine.engine_dtype,
-                "max_running_requests": config.engine.engine_max_running_requests,
-                "mem_fraction_static": config.engine.engine_mem_fraction_static,
-                "random_seed": config.training.seed + i,
-                "startup_timeout_s": config.engine.engine_startup_timeout_s,
-                "log_path": str(log_dir / f"engine_{i}.log"),
-                "extra_args": config.engine.sglang_extra_args,
-            }
+            spec = engine_launch_spec(config, engine, i, log_dir)
             self.engine_actors.append(actor)
             starts.append(actor.start.remote(engine, spec))
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
