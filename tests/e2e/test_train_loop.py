@@ -1,13 +1,14 @@
 """The train loop end to end with tiny settings: real Ray, FSDP on gloo, the reference engine.
 
 Each test is a whole `miles train` (in-process, sharing one local Ray instance): disaggregated and
-colocated placement, the one-step-async loop, debug replay of saved rollouts, and a run stopped and
-resumed from its checkpoint that matches the uninterrupted one.
+colocated placement, the one-step-async loop, debug replay of saved rollouts, and a run that
+crashed while saving, resumed from its last complete checkpoint, matching the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import ray
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
 from miles.train import train
+from miles.utils.checkpoint_layout import POINTER_FILE
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.timeout(900)
@@ -74,21 +76,25 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     assert all("train/loss" in r for r in records)
 
 
-def test_resumed_run_matches_the_uninterrupted_one(assets, tmp_path):
-    common = ["--rollout-num-gpus", "1", "--rollout-concurrency", "1", "--save-interval", "1"]
-    full = run(
-        assets, tmp_path / "full", "--num-rollout", "3", "--save", str(tmp_path / "a"), *common
-    )
-    run(assets, tmp_path / "part", "--num-rollout", "2", "--save", str(tmp_path / "b"), *common)
-    resumed = run(assets, tmp_path / "part", "--num-rollout", "3", "--save", str(tmp_path / "b"), *common)  # fmt: skip
-    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # the file continues, no duplicates
+def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path):
+    common = ["--rollout-num-gpus", "1", "--rollout-concurrency", "1", "--save-interval", "1",
+              "--num-rollout", "3"]  # fmt: skip
+    full = run(assets, tmp_path / "full", "--save", str(tmp_path / "full_ckpt"), *common)
+    # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
+    # files written, but the pointer (written last) still names rollout 1.
+    shutil.copytree(tmp_path / "full", tmp_path / "crashed")
+    shutil.copytree(tmp_path / "full_ckpt", tmp_path / "crashed_ckpt")
+    (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("1")
+    resumed = run(assets, tmp_path / "crashed", "--save", str(tmp_path / "crashed_ckpt"), *common)
+    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollout 2 logged once, not twice
     for key in (
         "rollout/reward_mean",
         "rollout/response_len_mean",
         "train/loss",
         "train/grad_norm",
     ):
-        assert [r.get(key) for r in resumed[2:]] == pytest.approx([r.get(key) for r in full[2:]], rel=1e-5, abs=1e-7), key  # fmt: skip
+        assert resumed[2].get(key) == pytest.approx(full[2].get(key), rel=1e-5, abs=1e-7), key
+    assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
 
 
 def test_debug_replay_trains_on_saved_rollouts(assets, tmp_path):
