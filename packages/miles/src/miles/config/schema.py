@@ -25,7 +25,7 @@ from miles.config.groups import (
     TrainingConfig,
 )
 from miles.config.options import Option, dataclass_options
-from miles.ray.placement import plan_placement
+from miles.ray.placement import plan_for_cluster
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.generate import RolloutConfig
 from miles.rollout.rewards import RewardConfig
@@ -256,15 +256,7 @@ def _check_across_groups(config: MilesConfig) -> None:
         cluster.rollout_num_gpus = (
             cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine
         )
-    plan_placement(
-        actor_num_nodes=cluster.actor_num_nodes,
-        actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
-        rollout_num_gpus=cluster.rollout_num_gpus,
-        rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
-        colocate=cluster.colocate,
-        use_gpus=False,
-        cpus_per_bundle=cluster.cpus_per_bundle,
-    )
+    plan_for_cluster(cluster, use_gpus=False)
     if training.async_train:
         if cluster.colocate:
             raise ValueError(

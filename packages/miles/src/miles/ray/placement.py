@@ -11,10 +11,14 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+if TYPE_CHECKING:
+    from miles.config.groups import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,19 @@ def plan_placement(
             for e in range(rollout_num_gpus // per)
         ],
         colocate=colocate,
+    )
+
+
+def plan_for_cluster(cluster: ClusterConfig, *, use_gpus: bool) -> PlacementPlan:
+    """`plan_placement` for the placement flags of a `ClusterConfig` group."""
+    return plan_placement(
+        actor_num_nodes=cluster.actor_num_nodes,
+        actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
+        rollout_num_gpus=cluster.rollout_num_gpus,
+        rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
+        colocate=cluster.colocate,
+        use_gpus=use_gpus,
+        cpus_per_bundle=cluster.cpus_per_bundle,
     )
 
 

@@ -19,13 +19,7 @@ import torch
 import ray
 from miles.config.schema import MilesConfig
 from miles.ray.cluster import init_ray
-from miles.ray.placement import (
-    Placement,
-    PlacementPlan,
-    create_placement,
-    plan_placement,
-    remove_placement,
-)
+from miles.ray.placement import Placement, create_placement, plan_for_cluster, remove_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
@@ -133,26 +127,14 @@ class Run:
         """Join (or start) Ray and reserve the run's bundles; also whether the cluster has GPUs."""
         # A local start gets this machine's devices; on CPU a bundle is a worker slot, not a
         # core, so a laptop with 2 cores still runs 3 slots.
-        plan = self._placement_plan(use_gpus=torch.cuda.is_available())
+        plan = plan_for_cluster(self.config.cluster, use_gpus=torch.cuda.is_available())
         needed_cpus = int(plan.total_resources().get("CPU", 0) + 1)
         init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         if has_gpus != ("GPU" in plan.total_resources()):
             # A joined cluster's devices are not this driver's (e.g. a CPU-only head node).
-            plan = self._placement_plan(use_gpus=has_gpus)
+            plan = plan_for_cluster(self.config.cluster, use_gpus=has_gpus)
         return create_placement(plan), has_gpus
-
-    def _placement_plan(self, *, use_gpus: bool) -> PlacementPlan:
-        cluster = self.config.cluster
-        return plan_placement(
-            actor_num_nodes=cluster.actor_num_nodes,
-            actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
-            rollout_num_gpus=cluster.rollout_num_gpus,
-            rollout_num_gpus_per_engine=cluster.rollout_num_gpus_per_engine,
-            colocate=cluster.colocate,
-            use_gpus=use_gpus,
-            cpus_per_bundle=cluster.cpus_per_bundle,
-        )
 
     def close(self) -> None:
         """Stop every process of the run; safe to call after a failed start."""
