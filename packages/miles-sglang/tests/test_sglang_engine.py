@@ -39,6 +39,7 @@ STAND_IN_SERVER = textwrap.dedent(
     child = subprocess.Popen([sys.executable, "-c", child_code])
     with open(pid_file, "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
+    print("stand-in: devices", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
     print("stand-in: loading weights", flush=True)
     if mode == "crash":
         print("RuntimeError: CUDA out of memory (stand-in)", flush=True)
@@ -77,14 +78,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _stand_in_engine(tmp_path: Path, mode: str, timeout_s: float = 20.0):
+def _stand_in_engine(tmp_path: Path, mode: str, timeout_s: float = 20.0, **config: object):
     port = free_port()
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN_SERVER)
     pid_file = tmp_path / "pids"
     command = [sys.executable, str(script), str(port), str(pid_file), mode]
-    config = SGLangEngineConfig(model_path="stand-in", port=port, startup_timeout_s=timeout_s)
-    engine = SGLangEngine(config, launch_command=command, log_path=tmp_path / "server.log")
+    settings = SGLangEngineConfig(
+        model_path="stand-in", port=port, startup_timeout_s=timeout_s, **config
+    )
+    engine = SGLangEngine(settings, launch_command=command, log_path=tmp_path / "server.log")
     return engine, pid_file
 
 
@@ -197,6 +200,30 @@ def test_start_waits_for_health_and_shutdown_kills_the_whole_tree(tmp_path):
         engine.shutdown()
     assert not _alive(server_pid) and not _alive(child_pid)
     engine.shutdown()  # idempotent
+
+
+def test_the_server_sees_exactly_the_gpus_of_its_bundles(tmp_path, monkeypatch):
+    # A Ray actor sees only its own bundle's GPU; a two-GPU engine is shown both of its GPUs.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    engine, _ = _stand_in_engine(tmp_path, "ok", tp_size=2, visible_devices=["3", "5"])
+    engine.start()
+    try:
+        assert "stand-in: devices 3,5" in (tmp_path / "server.log").read_text()
+    finally:
+        engine.shutdown()
+
+
+def test_visible_devices_must_give_each_tensor_parallel_rank_one_gpu():
+    with pytest.raises(ValueError, match=r"visible_devices \['3'\] names 1 GPU\(s\) for tp_size 2"):
+        SGLangEngineConfig(model_path="m", tp_size=2, visible_devices=["3"])
+
+
+def test_an_engine_launch_spec_names_one_device_per_engine_device():
+    from miles.backends.sglang_utils.engine_launchers import EngineLaunchSpec
+
+    assert EngineLaunchSpec(model_path="m", num_devices=2, visible_devices=["0", "1"])
+    with pytest.raises(ValueError, match=r"names 1 device\(s\) for an engine of 2"):
+        EngineLaunchSpec(model_path="m", num_devices=2, visible_devices=["0"])
 
 
 def test_a_server_that_exits_fails_fast_with_its_last_log_lines(tmp_path):

@@ -151,6 +151,8 @@ class Placement:
     """Node id of each logical bundle index."""
     bundle_indices: list[int]
     """Physical bundle index in `group` of each logical bundle index."""
+    bundle_devices: list[str] | None = None
+    """The GPU id (on its node) of each logical bundle; None when the bundles hold no GPUs."""
 
     def actor_scheduling(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that puts train rank `rank` on its bundle."""
@@ -160,6 +162,13 @@ class Placement:
         """Scheduling strategy for rollout engine `engine`: its first bundle. A multi-device
         engine is one process that drives the devices of all its bundles."""
         return self._strategy(self.plan.engine_bundles[engine][0])
+
+    def engine_devices(self, engine: int) -> list[str] | None:
+        """GPU ids (on its node) of every bundle of engine `engine`: what its server must see.
+        Ray shows an actor only its own bundle's GPU; a multi-GPU engine needs all of them."""
+        if self.bundle_devices is None:
+            return None
+        return [self.bundle_devices[b] for b in self.plan.engine_bundles[engine]]
 
     def actor_node(self, rank: int) -> str:
         return self.bundle_nodes[self.plan.actor_bundles[rank]]
@@ -211,11 +220,13 @@ def create_placement(
     ray.get(ready)
     physical_nodes = _bundle_nodes(group, len(plan.bundles))
     bundle_indices = _logical_to_physical(plan, physical_nodes)
+    devices = _bundle_gpu_ids(group, len(plan.bundles)) if "GPU" in needed else None
     placement = Placement(
         group=group,
         plan=plan,
         bundle_nodes=[physical_nodes[i] for i in bundle_indices],
         bundle_indices=bundle_indices,
+        bundle_devices=[devices[i] for i in bundle_indices] if devices else None,
     )
     _warn_split_engines(placement)
     logger.info(
@@ -236,6 +247,27 @@ def _bundle_nodes(group: PlacementGroup, num_bundles: int) -> list[str]:
     nodes = [table.get(i, table.get(str(i))) for i in range(num_bundles)]
     assert all(nodes), f"ready placement group has bundles without a node: {table}"
     return nodes
+
+
+@ray.remote(num_cpus=0)
+def _visible_gpu_ids() -> list[str]:
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
+def _bundle_gpu_ids(group: PlacementGroup, num_bundles: int) -> list[str]:
+    """The GPU id Ray gave each physical bundle (one GPU each), asked from inside the bundle."""
+    probes = [
+        _visible_gpu_ids.options(
+            num_gpus=0.01,  # a sliver of the bundle's GPU: Ray reports that GPU's id
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i
+            ),
+        ).remote()
+        for i in range(num_bundles)
+    ]
+    ids = ray.get(probes)
+    assert all(len(found) == 1 for found in ids), f"bundles of one GPU reported GPU ids {ids}"
+    return [found[0] for found in ids]
 
 
 def _logical_to_physical(plan: PlacementPlan, nodes: list[str]) -> list[int]:

@@ -56,8 +56,16 @@ def resolve_router(choice: str) -> str:
     return "sglang-router" if importlib.util.find_spec("sglang_router") else "builtin"
 
 
-def engine_launch_spec(config: MilesConfig, engine: str, index: int, log_dir: Path) -> dict:
-    """EngineLaunchSpec fields of engine `index` of kind `engine` ("sglang" or "reference")."""
+def engine_launch_spec(
+    config: MilesConfig,
+    engine: str,
+    index: int,
+    log_dir: Path,
+    *,
+    visible_devices: list[str] | None = None,
+) -> dict:
+    """EngineLaunchSpec fields of engine `index` of kind `engine` ("sglang" or "reference");
+    `visible_devices`: the GPU ids of its bundles (`Placement.engine_devices`)."""
     extra_args = dict(config.engine.sglang_extra_args)
     if engine == "sglang" and config.cluster.colocate:
         # Without the memory saver, SGLang answers /release_memory_occupation with success and
@@ -73,6 +81,7 @@ def engine_launch_spec(config: MilesConfig, engine: str, index: int, log_dir: Pa
         "startup_timeout_s": config.engine.engine_startup_timeout_s,
         "log_path": str(log_dir / f"engine_{index}.log"),
         "extra_args": extra_args,
+        "visible_devices": visible_devices,
     }
 
 
@@ -132,7 +141,8 @@ class RolloutManager:
         starts = []
         for i in range(num_engines):
             actor = self._engine_actor(i, has_gpus)
-            spec = engine_launch_spec(config, engine, i, log_dir)
+            devices = self.placement.engine_devices(i) if self.placement else None
+            spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
             self.engine_actors.append(actor)
             starts.append(actor.start.remote(engine, spec))
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)

@@ -17,6 +17,7 @@ from miles.backends.sglang_utils.sglang_engine import (
     SGLangEngine,
     SGLangEngineConfig,
     free_port,
+    visible_devices_env,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class EngineLaunchSpec:
     """How long `start` waits for the engine's health endpoint."""
     log_path: str | None = None
     """File for the engine's output (None: inherit the caller's)."""
+    visible_devices: list[str] | None = None
+    """GPU ids on this node the engine drives, `num_devices` of them (its bundles' GPUs); None:
+    the devices the launching process sees."""
     extra_args: dict[str, str | bool | list[str]] = field(default_factory=dict)
     """SGLang only: other server flags without dashes ({"context-length": "4096"}; True for a
     switch, a list for several values)."""
@@ -55,6 +59,11 @@ class EngineLaunchSpec:
             raise ValueError(f"an engine needs at least one device, got {self.num_devices}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port (0 picks a free one)")
+        if self.visible_devices is not None and len(self.visible_devices) != self.num_devices:
+            raise ValueError(
+                f"visible_devices {self.visible_devices} names {len(self.visible_devices)} "
+                f"device(s) for an engine of {self.num_devices}"
+            )
 
 
 class ReferenceEngineLauncher:
@@ -99,8 +108,9 @@ class ReferenceEngineLauncher:
         if self._process is not None:
             raise RuntimeError(f"reference engine {self.url} is already started")
         process = ServerProcess(
-            self.command(), name=f"reference-engine-{self.port}", log_path=self.spec.log_path
-        )
+            self.command(), name=f"reference-engine-{self.port}", log_path=self.spec.log_path,
+            env=visible_devices_env(self.spec.visible_devices),
+        )  # fmt: skip
         try:
             process.wait_until_ready(f"{self.url}/health", timeout_s=self.spec.startup_timeout_s)
         except BaseException:
@@ -139,6 +149,7 @@ class SGLangEngineLauncher:
                 random_seed=spec.random_seed,
                 extra_args=extra,
                 startup_timeout_s=spec.startup_timeout_s,
+                visible_devices=spec.visible_devices,
             ),
             log_path=Path(spec.log_path) if spec.log_path else None,
         )

@@ -129,6 +129,9 @@ class SGLangEngineConfig:
     """Other SGLang flags, no dashes: {"context-length": "4096"} from --sglang-context-length."""
     startup_timeout_s: float = 600.0
     """How long `start` waits for /health_generate (loading a large model takes minutes)."""
+    visible_devices: list[str] | None = None
+    """Ids of the GPUs on this node the server drives, one per tensor-parallel rank (its
+    CUDA_VISIBLE_DEVICES); None: the devices this process sees."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -144,6 +147,12 @@ class SGLangEngineConfig:
             )
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s ({self.startup_timeout_s}) must be positive")
+        if self.visible_devices is not None and len(self.visible_devices) != self.tp_size:
+            raise ValueError(
+                f"visible_devices {self.visible_devices} names {len(self.visible_devices)} "
+                f"GPU(s) for tp_size {self.tp_size}: give the server one GPU per tensor-parallel "
+                "rank"
+            )
         for name, value in self.extra_args.items():
             if name.startswith("-"):
                 raise ValueError(f"extra_args key {name!r} must be a flag name without dashes")
@@ -180,6 +189,16 @@ def build_launch_command(config: SGLangEngineConfig, python: str = sys.executabl
         elif value is not True:
             command.append(value)
     return command
+
+
+def visible_devices_env(devices: list[str] | None) -> dict[str, str] | None:
+    """The environment that makes a server see exactly `devices` (None: leave it as it is).
+
+    A Ray actor sees only the GPU of its own bundle; an engine spanning several bundles must be
+    shown all of them. HIP reads CUDA_VISIBLE_DEVICES too."""
+    if devices is None:
+        return None
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -230,7 +249,15 @@ class ServerProcess:
     the owner forgot; nothing can catch its own SIGKILL, so owners should call `shutdown`.
     """
 
-    def __init__(self, command: list[str], *, name: str, log_path: str | Path | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        name: str,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        """`env`: variables set for the server on top of this process's environment."""
         self.name = name
         self.command = command
         if log_path is None:
@@ -245,6 +272,7 @@ class ServerProcess:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killpg reaches the whole tree
+                env={**os.environ, **env} if env else None,
             )
         except OSError:
             self._log.close()
@@ -387,7 +415,12 @@ class SGLangEngine:
             require_sglang()
         command = self.launch_command or build_launch_command(self.config)
         name = f"sglang-{self.config.port}"
-        process = ServerProcess(command, name=name, log_path=self.log_path)
+        process = ServerProcess(
+            command,
+            name=name,
+            log_path=self.log_path,
+            env=visible_devices_env(self.config.visible_devices),
+        )
         try:
             process.wait_until_ready(
                 f"{self.url}/health_generate", timeout_s=self.config.startup_timeout_s
