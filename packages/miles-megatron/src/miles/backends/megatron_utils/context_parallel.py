@@ -29,9 +29,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def local_positions(length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+def local_positions(
+    length: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Global positions (L / cp,) of the tokens rank `cp_rank` holds of a length-`length`
-    sequence, in the order it holds them."""
+    sequence, in the order it holds them, built on `device`."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"context-parallel rank {cp_rank} is not in a group of {cp_size}")
     if length % (2 * cp_size):
@@ -43,15 +45,15 @@ def local_positions(length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     early, late = cp_rank, 2 * cp_size - 1 - cp_rank
     return torch.cat(
         [
-            torch.arange(early * chunk, (early + 1) * chunk),
-            torch.arange(late * chunk, (late + 1) * chunk),
+            torch.arange(early * chunk, (early + 1) * chunk, device=device),
+            torch.arange(late * chunk, (late + 1) * chunk, device=device),
         ]
     )
 
 
 def split_sequence(tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """This rank's slice of `tensor` along its sequence dimension `dim`."""
-    index = local_positions(tensor.size(dim), cp_rank, cp_size).to(tensor.device)
+    index = local_positions(tensor.size(dim), cp_rank, cp_size, tensor.device)
     return tensor.index_select(dim, index)
 
 
@@ -91,8 +93,9 @@ def gather_sequence(local: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     cp_size = dist.get_world_size(group)
     gathered = all_gather_along(local, dim, group)
     length = gathered.size(dim)
-    held = torch.cat([local_positions(length, r, cp_size) for r in range(cp_size)])
-    return gathered.index_select(dim, torch.argsort(held).to(gathered.device))
+    device = gathered.device
+    held = torch.cat([local_positions(length, r, cp_size, device) for r in range(cp_size)])
+    return gathered.index_select(dim, torch.argsort(held))
 
 
 class ContextParallelAttention(MegatronModule):
@@ -159,20 +162,27 @@ class ContextParallelAttention(MegatronModule):
         # decides who sees whom.
         key = all_gather_along(key, 0, self.cp_group)
         value = all_gather_along(value, 0, self.cp_group)
-        query_at = local_positions(length, cp_rank, cp_size).to(query.device)
-        key_at = torch.cat([local_positions(length, r, cp_size) for r in range(cp_size)])
-        visible = key_at.to(query.device)[None, :] <= query_at[:, None]  # (sq, sk)
+        device = query.device
+        query_at = local_positions(length, cp_rank, cp_size, device)
+        key_at = torch.cat([local_positions(length, r, cp_size, device) for r in range(cp_size)])
+        visible = key_at[None, :] <= query_at[:, None]  # (sq, sk)
+        groups = key.size(2)
+        if groups != heads:
+            # Repeated after the gather, so only the groups travel. Not every SDPA kernel takes
+            # grouped heads (enable_gqa); with whole heads the mask-taking memory-efficient one
+            # stays eligible instead of the math kernel's full [b, heads, sq, sk] scores.
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
         dropout = self.dropout if self.training else 0.0
         # Dropout draws from Megatron's tensor-parallel RNG stream, as its own attention does.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext()
         with rng:
             context = F.scaled_dot_product_attention(
                 query.permute(1, 2, 0, 3),  # (b, heads, sq, d)
-                key.permute(1, 2, 0, 3),  # (b, groups, sk, d)
+                key.permute(1, 2, 0, 3),  # (b, heads, sk, d)
                 value.permute(1, 2, 0, 3),
                 attn_mask=visible,
                 dropout_p=dropout,
                 scale=self.softmax_scale,
-                enable_gqa=key.size(2) != heads,
             )
         return context.permute(2, 0, 1, 3).reshape(local, batch, heads * head_dim)
