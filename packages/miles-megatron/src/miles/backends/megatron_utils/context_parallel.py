@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -57,44 +58,25 @@ def split_sequence(tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -
     return tensor.index_select(dim, index)
 
 
-# torch 2.14 renamed the single-tensor collectives (the old names warn); older torch has only those.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _AllGather(torch.autograd.Function):
-    """Concatenates every rank's equally shaped tensor along dim 0, in rank order. Backward: a
-    rank's gradient is the sum over ranks of the gradient reaching its piece (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        gathered = local.new_empty((size * local.size(0), *local.shape[1:]))
-        _all_gather_single(gathered, local.contiguous(), group=group)
-        return gathered
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        mine = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
-        _reduce_scatter_single(mine, grad.contiguous(), group=ctx.group)
-        return mine, None
+def gathered_positions(
+    length: int, cp_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions (L,) of an all-gather of every rank's slice, in its rank-major order."""
+    return torch.cat([local_positions(length, r, cp_size, device) for r in range(cp_size)])
 
 
 def all_gather_along(local: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Every rank's `local` concatenated along `dim` in rank order, differentiably."""
-    return _AllGather.apply(local.movedim(dim, 0), group).movedim(0, dim)
+    """Every rank's `local` concatenated along `dim` in rank order; the backward reduce-scatters
+    each rank's gradient back to it (Megatron's sequence-parallel gather, over `group`)."""
+    gathered = gather_from_sequence_parallel_region(local.movedim(dim, 0), group=group)
+    return gathered.movedim(0, dim)
 
 
 def gather_sequence(local: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """The whole sequence, in global order, from every rank's `split_sequence` slice; gradients
     flow back to the rank that owns each position."""
-    cp_size = dist.get_world_size(group)
     gathered = all_gather_along(local, dim, group)
-    length = gathered.size(dim)
-    device = gathered.device
-    held = torch.cat([local_positions(length, r, cp_size, device) for r in range(cp_size)])
+    held = gathered_positions(gathered.size(dim), dist.get_world_size(group), gathered.device)
     return gathered.index_select(dim, torch.argsort(held))
 
 
@@ -164,7 +146,7 @@ class ContextParallelAttention(MegatronModule):
         value = all_gather_along(value, 0, self.cp_group)
         device = query.device
         query_at = local_positions(length, cp_rank, cp_size, device)
-        key_at = torch.cat([local_positions(length, r, cp_size, device) for r in range(cp_size)])
+        key_at = gathered_positions(length, cp_size, device)
         visible = key_at[None, :] <= query_at[:, None]  # (sq, sk)
         groups = key.size(2)
         if groups != heads:
