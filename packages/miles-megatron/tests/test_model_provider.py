@@ -235,7 +235,7 @@ def test_rope_frequencies_match_hf_including_llama3_scaling(megatron_results, re
         )
 
 
-def test_parallel_state_is_published_with_tp_2_and_no_data_parallelism(megatron_results):
+def test_parallel_state_has_tp_2_and_no_data_parallelism(megatron_results):
     assert [r["tp"] for r in megatron_results] == [(0, 2), (1, 2)]
     assert [r["dp"] for r in megatron_results] == [(0, 1), (0, 1)]
 

@@ -21,7 +21,7 @@ from miles.backends.sglang_utils.client import (
     EngineTimeouts,
     SyncEngineClient,
 )
-from miles.backends.sglang_utils.sglang_engine import free_port
+from miles.backends.sglang_utils.server_process import free_port
 
 FAST_RETRY = {"backoff_s": 0.05, "max_backoff_s": 0.2}
 

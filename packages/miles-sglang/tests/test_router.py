@@ -23,7 +23,7 @@ from miles.backends.sglang_utils.router import (
     list_workers,
     running_router,
 )
-from miles.backends.sglang_utils.sglang_engine import free_port
+from miles.backends.sglang_utils.server_process import free_port
 
 
 class Worker:

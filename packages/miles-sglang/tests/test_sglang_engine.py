@@ -14,13 +14,12 @@ import httpx
 import pytest
 
 from miles.backends.sglang_utils.router import running_router
+from miles.backends.sglang_utils.server_process import ServerStartError, free_port
 from miles.backends.sglang_utils.sglang_engine import (
-    ServerStartError,
     SGLangEngine,
     SGLangEngineConfig,
     SGLangUnavailableError,
     build_launch_command,
-    free_port,
     require_sglang,
     sglang_args_from_cli,
 )

@@ -1,4 +1,4 @@
-"""ParallelState: validation, the published-state accessors, and construction from real groups."""
+"""ParallelState: validation, and construction from real groups."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from hypothesis import strategies as st
 from miles.backends.training_utils.parallel import (
     GroupInfo,
     ParallelState,
-    get_parallel_state,
-    reset_parallel_state,
-    set_parallel_state,
     single_process_parallel_state,
 )
 from miles.backends.training_utils.testing import run_distributed
@@ -33,13 +30,6 @@ class _StandInGroup:
 
 def _axis(size: int, rank: int = 0) -> GroupInfo:
     return GroupInfo.from_group(_StandInGroup(rank, size) if size > 1 else None)
-
-
-@pytest.fixture(autouse=True)
-def no_published_state():
-    reset_parallel_state()
-    yield
-    reset_parallel_state()
 
 
 def test_single_process_state_has_every_axis_of_size_one_and_none_enabled():
@@ -107,27 +97,6 @@ def test_axes_must_be_group_infos():
         ParallelState(tp=2)
 
 
-def test_reading_the_state_before_a_backend_sets_it_says_who_sets_it():
-    with pytest.raises(RuntimeError) as error:
-        get_parallel_state()
-    assert "init(args, role, with_ref)" in str(error.value)
-    assert "set_parallel_state(single_process_parallel_state())" in str(error.value)
-
-
-def test_set_then_get_returns_the_published_state_and_reset_forgets_it():
-    state = ParallelState(dp=_axis(2, rank=1), dp_cp=_axis(2, rank=1))
-    set_parallel_state(state)
-    assert get_parallel_state() is state
-    reset_parallel_state()
-    with pytest.raises(RuntimeError, match="the parallel state is not set"):
-        get_parallel_state()
-
-
-def test_set_parallel_state_rejects_other_types():
-    with pytest.raises(TypeError, match="expects a ParallelState, got dict"):
-        set_parallel_state({"dp": 1})
-
-
 def _state_from_real_groups(rank: int) -> dict:
     world = dist.group.WORLD
     # new_group is collective: every rank creates every group, then keeps the one it is in.
@@ -137,18 +106,16 @@ def _state_from_real_groups(rank: int) -> dict:
         tp=GroupInfo.from_group(solo),
         dp_cp=GroupInfo(rank=world.rank(), size=world.size(), group=world),
     )
-    set_parallel_state(dp_state)
     tp_state = ParallelState(tp=GroupInfo.from_group(world))
     with pytest.raises(ValueError) as too_small:
         single_process_parallel_state()
     with pytest.raises(ValueError) as disagreeing:
         GroupInfo(rank=1 - rank, size=2, group=world)
-    published = get_parallel_state()
     return {
-        "dp": (published.dp.rank, published.dp.size, published.dp_enabled),
-        "tp_of_dp_state": (published.tp.rank, published.tp.size, published.tp_enabled),
+        "dp": (dp_state.dp.rank, dp_state.dp.size, dp_state.dp_enabled),
+        "tp_of_dp_state": (dp_state.tp.rank, dp_state.tp.size, dp_state.tp_enabled),
         "tp": (tp_state.tp.rank, tp_state.tp_enabled, tp_state.dp_enabled),
-        "world_size": published.world_size,
+        "world_size": dp_state.world_size,
         "too_small": str(too_small.value),
         "disagreeing": str(disagreeing.value),
     }

@@ -83,6 +83,12 @@ class EngineConfig:
         frac = self.engine_mem_fraction_static
         if frac is not None and not 0 < frac <= 1:
             raise ValueError(f"--engine-mem-fraction-static must be in (0, 1], got {frac}")
+        if self.engine_startup_timeout_s <= 0:
+            raise ValueError(
+                f"--engine-startup-timeout-s must be positive, got "
+                f"{self.engine_startup_timeout_s}; give the seconds to wait for the engines' "
+                "/health, e.g. 600"
+            )
         for item in self.sglang_server_args or []:
             key = item.partition("=")[0]
             if not key or key.startswith("-"):
@@ -99,10 +105,6 @@ class EngineConfig:
             key, sep, value = item.partition("=")
             extra[key] = True if not sep else value.split() if " " in value else value
         return extra
-        if self.engine_startup_timeout_s <= 0:
-            raise ValueError(
-                f"--engine-startup-timeout-s must be positive, got {self.engine_startup_timeout_s}"
-            )
 
 
 @dataclass(kw_only=True)

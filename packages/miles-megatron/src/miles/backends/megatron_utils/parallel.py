@@ -1,5 +1,5 @@
 """Megatron's parallel state (tensor, pipeline, context, expert and data-parallel groups) built on
-the torch.distributed world this process already joined, and published to training-utils as the
+the torch.distributed world this process already joined, and returned as training-utils'
 backend-neutral `ParallelState`.
 
 Megatron orders ranks tp-cp-ep-dp-pp (tensor parallel innermost, so a tensor-parallel group stays
@@ -15,18 +15,13 @@ from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from miles.backends.megatron_utils.arguments import MegatronArgs
-from miles.backends.training_utils.parallel import (
-    GroupInfo,
-    ParallelState,
-    reset_parallel_state,
-    set_parallel_state,
-)
+from miles.backends.training_utils.parallel import GroupInfo, ParallelState
 
 logger = logging.getLogger(__name__)
 
 
 def initialize_megatron_parallel(args: MegatronArgs) -> ParallelState:
-    """Create Megatron's groups over the current world, seed its RNG tracker, publish the state.
+    """Create Megatron's groups over the current world, seed its RNG tracker, return the state.
 
     Every rank must call this with the same `args` (group creation is a collective). The model
     parallel CUDA seed (`--seed`, offset per tensor-parallel rank by Megatron) must be set before
@@ -66,7 +61,6 @@ def initialize_megatron_parallel(args: MegatronArgs) -> ParallelState:
         ep=GroupInfo.from_group(mpu.get_expert_model_parallel_group()),
         dp_cp=GroupInfo.from_group(mpu.get_data_parallel_group(with_context_parallel=True)),
     )
-    set_parallel_state(state)
     logger.info(
         "Megatron parallel state: world %d = tp %d x cp %d x dp %d x pp %d (ep %d)",
         world,
@@ -80,6 +74,5 @@ def initialize_megatron_parallel(args: MegatronArgs) -> ParallelState:
 
 
 def destroy_megatron_parallel() -> None:
-    """Drop Megatron's groups and the published state (the world itself stays)."""
+    """Drop Megatron's groups (the world itself stays)."""
     mpu.destroy_model_parallel()
-    reset_parallel_state()

@@ -1,4 +1,6 @@
-"""Clients of SGLang's native HTTP API (DESIGN §3.2) on one engine or router URL.
+"""Clients of SGLang's native HTTP API on one engine or router URL.
+
+(architecture.md: "Contracts / Rollout engine")
 
 Only idempotent GETs are retried (bounded, exponential backoff, on connection errors and 5xx);
 every POST - generation, pause, weight updates - is sent exactly once, because repeating one is

@@ -12,11 +12,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.backends.sglang_utils.server_process import ServerProcess, free_port
 from miles.backends.sglang_utils.sglang_engine import (
-    ServerProcess,
     SGLangEngine,
     SGLangEngineConfig,
-    free_port,
     visible_devices_env,
 )
 

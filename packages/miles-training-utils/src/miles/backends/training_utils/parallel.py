@@ -1,8 +1,9 @@
 """Where this rank sits in the training mesh: rank, size and process group per parallel axis.
 
-Both training backends (FSDP, Megatron) build their groups their own way and then publish the
-result here with `set_parallel_state`, so backend-neutral code (metric reduction, data splitting)
-reads one `ParallelState` instead of asking either backend. This module creates no groups.
+Both training backends (FSDP, Megatron) build their groups their own way and return them as one
+`ParallelState`, which the backend keeps and hands on: backend-neutral code (metric reduction,
+data splitting) takes the group or size it needs as an argument. There is deliberately no
+process-global state, and this module creates no groups.
 """
 
 from __future__ import annotations
@@ -154,35 +155,6 @@ class ParallelState:
         return self.dp_cp.enabled
 
 
-_state: ParallelState | None = None
-
-
-def get_parallel_state() -> ParallelState:
-    """The state the training backend published; raises until one has."""
-    if _state is None:
-        raise RuntimeError(
-            "the parallel state is not set: the training backend sets it in its actor's "
-            "init(args, role, with_ref), right after it creates its process groups (FSDP: from its "
-            "device meshes; Megatron: after initializing model parallel). Outside a backend (a "
-            "script or a test) call set_parallel_state(single_process_parallel_state()) first"
-        )
-    return _state
-
-
-def set_parallel_state(state: ParallelState) -> None:
-    """Publish this process's parallel state; called once by the training backend."""
-    if not isinstance(state, ParallelState):
-        raise TypeError(f"set_parallel_state expects a ParallelState, got {type(state).__name__}")
-    global _state
-    _state = state
-
-
 def single_process_parallel_state() -> ParallelState:
     """Every axis of size 1: one process does all the work."""
     return ParallelState()
-
-
-def reset_parallel_state() -> None:
-    """Forget the published state (for tests, so one test's state does not leak into the next)."""
-    global _state
-    _state = None

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from miles.backends.sglang_utils.sglang_engine import ServerProcess, free_port
+from miles.backends.sglang_utils.server_process import ServerProcess, free_port
 
 
 @contextmanager

@@ -1,4 +1,6 @@
-"""The weight-sync wire protocol shared by every trainer backend and engine (DESIGN §3.4).
+"""The weight-sync wire protocol shared by every trainer backend and engine.
+
+(architecture.md: "Contracts / Weight sync")
 
 Trainers hand over `(name, tensor)` pairs of full parameters; a sender buckets them (bounded by
 `--update-weight-buffer-size`), casts them to the engine dtype and ships them through shared

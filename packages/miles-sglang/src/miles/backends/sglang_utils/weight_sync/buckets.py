@@ -1,7 +1,8 @@
 """Group named tensors into size-bounded buckets, and flatten a bucket into one tensor per dtype.
 
 Both transports send weights bucket by bucket so that the trainer never holds more than about
-`--update-weight-buffer-size` bytes of cast, gathered weights at once (DESIGN §3.4).
+`--update-weight-buffer-size` bytes of cast, gathered weights at once (architecture.md:
+"Contracts / Weight sync").
 """
 
 from __future__ import annotations

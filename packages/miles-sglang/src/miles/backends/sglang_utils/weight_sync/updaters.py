@@ -1,4 +1,6 @@
-"""A trainer's weight update (DESIGN §3.4): pause the engines, send, resume, agree on failure.
+"""A trainer's weight update: pause the engines, send, resume, agree on failure.
+
+(architecture.md: "Contracts / Weight sync")
 
 Shared by every backend: a backend only says how to produce its `(engine name, full tensor)` pairs
 (gathering shards is its business; every rank drains the iterator, and the ranks given engine
