@@ -10,11 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.backends.training_utils.advantages import (
-    compute_advantages_and_returns,
-    global_whiten,
-    shape_rewards,
-)
+from miles.backends.training_utils.advantages import global_whiten
+from miles.backends.training_utils.algorithms import compute_advantages_and_returns, shape_rewards
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.testing import run_distributed
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.backends.training_utils.loss import LossNormalizer, loss_function, reduce_loss
+from miles.backends.training_utils.loss import LossNormalizer, policy_loss, reduce_loss, sft_loss
 from miles.backends.training_utils.loss_config import LossConfig
 
 CONFIGS = {
@@ -125,7 +125,7 @@ def _policy_batch(seed=0, lengths=(3, 2)):
 
 def test_on_policy_loss_is_minus_mean_advantage_and_metrics_are_weighted_pairs():
     _, batch = _policy_batch()
-    loss, metrics = loss_function(batch, LossConfig(), LossNormalizer(num_samples=2, num_tokens=5))
+    loss, metrics = policy_loss(batch, LossConfig(), LossNormalizer(num_samples=2, num_tokens=5))
     # ratio 1: per-token loss is -A; sample means -1 and 2, averaged over 2 samples.
     assert loss.item() == pytest.approx((-1.0 + 2.0) / 2)
     assert metrics["pg_clipfrac"].tolist() == [0.0, 5.0]
@@ -135,7 +135,7 @@ def test_on_policy_loss_is_minus_mean_advantage_and_metrics_are_weighted_pairs()
 def test_policy_gradient_on_policy_equals_advantage_weighted_score_function():
     logits, batch = _policy_batch()
     normalizer = LossNormalizer(num_samples=2, num_tokens=5)
-    loss, _ = loss_function(batch, LossConfig(loss_reduction="token_mean"), normalizer)
+    loss, _ = policy_loss(batch, LossConfig(loss_reduction="token_mean"), normalizer)
     (grad_loss,) = torch.autograd.grad(loss, logits, retain_graph=True)
     surrogate = -(batch["advantages"] * batch["log_probs"]).sum() / 5
     (grad_surrogate,) = torch.autograd.grad(surrogate, logits)
@@ -145,20 +145,20 @@ def test_policy_gradient_on_policy_equals_advantage_weighted_score_function():
 def test_kl_loss_entropy_bonus_and_tis_each_change_the_loss_as_documented():
     normalizer = LossNormalizer(num_samples=2, num_tokens=5)
     _, batch = _policy_batch()
-    base, _ = loss_function(batch, LossConfig(loss_reduction="token_mean"), normalizer)
+    base, _ = policy_loss(batch, LossConfig(loss_reduction="token_mean"), normalizer)
     kl_cfg = LossConfig(
         loss_reduction="token_mean", use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1"
     )
-    with_kl, metrics = loss_function(batch, kl_cfg, normalizer)
+    with_kl, metrics = policy_loss(batch, kl_cfg, normalizer)
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * 0.1)  # k1 = log p - log p_ref = 0.1
     assert metrics["kl_loss"].tolist() == pytest.approx([0.5, 5.0])
     ent_cfg = LossConfig(loss_reduction="token_mean", entropy_coef=0.01)
-    with_entropy, _ = loss_function(batch, ent_cfg, normalizer)
+    with_entropy, _ = policy_loss(batch, ent_cfg, normalizer)
     assert with_entropy.item() == pytest.approx(base.item() - 0.01 * batch["entropy"].mean().item())
     tis_cfg = LossConfig(
         loss_reduction="token_mean", off_policy_correction="tis", tis_clip_high=2.0
     )
-    with_tis, metrics = loss_function(batch, tis_cfg, normalizer)
+    with_tis, metrics = policy_loss(batch, tis_cfg, normalizer)
     # train/rollout ratio exp(-0.3) on every token, inside [0, 2]: the loss scales by it.
     assert with_tis.item() == pytest.approx(base.item() * math.exp(-0.3))
     assert metrics["off_policy_weight"][0].item() == pytest.approx(5 * math.exp(-0.3))
@@ -170,7 +170,7 @@ def test_off_policy_correction_without_rollout_log_probs_says_what_is_missing():
     with pytest.raises(
         ValueError, match=r"--off-policy-correction icepop needs the rollout engine's log-probs"
     ):
-        loss_function(
+        policy_loss(
             batch,
             LossConfig(off_policy_correction="icepop"),
             LossNormalizer(num_samples=2, num_tokens=5),
@@ -179,7 +179,7 @@ def test_off_policy_correction_without_rollout_log_probs_says_what_is_missing():
 
 def test_sft_loss_is_the_mean_negative_log_likelihood():
     _, batch = _policy_batch()
-    loss, metrics = loss_function(
+    loss, metrics = sft_loss(
         batch,
         LossConfig(loss_type="sft_loss", loss_reduction="token_mean"),
         LossNormalizer(num_samples=2, num_tokens=5),

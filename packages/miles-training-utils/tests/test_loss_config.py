@@ -91,3 +91,71 @@ def test_invalid_setting_names_flag_and_value(kwargs, message):
 )
 def test_meaningful_combinations_are_accepted(kwargs):
     LossConfig(**kwargs)
+
+
+# -- the registry's custom entries -----------------------------------------------------------
+
+
+@pytest.fixture
+def user_module(monkeypatch, tmp_path):
+    """A user's module on sys.path, as a module in the launch directory would be."""
+    (tmp_path / "user_algorithms.py").write_text(
+        "from miles.backends.training_utils.algorithms import EstimatorSpec, LossSpec\n"
+        "from miles.backends.training_utils.loss import sft_loss\n"
+        "def rule(batch, config, masks, group):\n"
+        "    return masks, masks\n"
+        "NLL = LossSpec(fn=sft_loss, inputs=frozenset(), on_policy=False)\n"
+        "DISCOUNTED = EstimatorSpec(advantages=rule, discounting=True)\n"
+        "NOT_A_FUNCTION = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_algorithms"
+
+
+def test_a_custom_function_or_spec_enters_the_registry_under_its_custom_name(user_module):
+    from miles.backends.training_utils.algorithms import Algorithm
+
+    config = LossConfig(
+        loss_type="custom_loss", custom_loss_function_path=f"{user_module}:NLL",
+        advantage_estimator="custom", custom_advantage_function_path=f"{user_module}:rule",
+    )  # fmt: skip
+    algorithm = Algorithm.from_config(config)
+    assert algorithm.loss.inputs == frozenset() and not algorithm.loss.on_policy
+    assert algorithm.estimator.advantages.__name__ == "rule"  # a plain function, wrapped
+    assert algorithm.inputs == frozenset()  # the loss reads no advantages: nothing to compute
+    # A spec declares what it reads: a discounting estimator accepts --gamma, a plain one not.
+    LossConfig(advantage_estimator="custom", custom_advantage_function_path=f"{user_module}:DISCOUNTED", gamma=0.9)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--gamma 0.9 is ignored by --advantage-estimator custom"):
+        LossConfig(advantage_estimator="custom", custom_advantage_function_path=f"{user_module}:rule", gamma=0.9)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_type": "custom_loss"}, r"--loss-type custom_loss needs --custom-loss-function-path"),
+        (
+            {"custom_loss_function_path": "m:f"},
+            r"--custom-loss-function-path 'm:f' is only used with --loss-type custom_loss",
+        ),
+        (
+            {"advantage_estimator": "custom"},
+            r"--advantage-estimator custom needs --custom-advantage-function-path",
+        ),
+        (
+            {"loss_type": "custom_loss", "custom_loss_function_path": "user_algorithms:nope"},
+            r"--custom-loss-function-path 'user_algorithms:nope': 'user_algorithms' has no attribute",
+        ),
+        (
+            {"loss_type": "custom_loss",
+             "custom_loss_function_path": "user_algorithms:NOT_A_FUNCTION"},
+            r"names a int; point it at a function or a LossSpec",
+        ),
+        (
+            {"loss_type": "custom_loss", "custom_loss_function_path": "no_such_module_xyz:f"},
+            r"cannot import module 'no_such_module_xyz'",
+        ),
+    ],
+)  # fmt: skip
+def test_custom_paths_are_checked_when_the_config_is_built(user_module, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**kwargs)

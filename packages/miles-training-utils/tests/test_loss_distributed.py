@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.loss import LossNormalizer, loss_function
+from miles.backends.training_utils.loss import LossNormalizer, policy_loss
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.testing import run_distributed
 
@@ -74,7 +74,7 @@ def _micro_batch_loss(model, samples, config, normalizer):
         "loss_mask": torch.cat(fields["loss_mask"]),
         "response_lengths": [len(s["loss_mask"]) for s in samples],
     }
-    loss, _ = loss_function(batch, config, normalizer)
+    loss, _ = policy_loss(batch, config, normalizer)
     return loss
 
 

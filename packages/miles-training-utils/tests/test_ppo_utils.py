@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miles.backends.training_utils.algorithms import ESTIMATORS
 from miles.backends.training_utils.ppo_utils import (
-    ADVANTAGE_ESTIMATORS,
     KL_TYPES,
     compute_approx_kl,
     compute_gspo_kl,
@@ -631,7 +631,7 @@ def test_whiten_rejects_mask_of_other_shape():
 
 def test_registries_list_every_estimator_and_kl_type():
     assert KL_TYPES == ("k1", "k2", "k3", "low_var_kl")
-    assert ADVANTAGE_ESTIMATORS == (
+    assert tuple(ESTIMATORS) == (
         "grpo",
         "dr_grpo",
         "gspo",

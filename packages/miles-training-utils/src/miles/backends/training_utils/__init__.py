@@ -1,68 +1,60 @@
-"""miles-training-utils: the algorithm core every miles training backend trains through.
+"""miles-training-utils: the algorithm core and the one RL train step every miles backend runs.
 
-Example, one GRPO micro-batch step from logits::
+A backend implements `TrainEngine` (forward log-probs, forward/backward with a loss callback,
+optimizer step, weights, save/load, sleep/wake); `PolicyTrainer` does the rest::
 
-    from miles.backends.training_utils import LossConfig, LossNormalizer, loss_function
-    from miles.backends.training_utils import get_log_probs_and_entropy
+    from miles.backends.training_utils import LossConfig, PolicyTrainer
 
-    config = LossConfig(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28)
-    log_probs, entropy = get_log_probs_and_entropy(logits, targets, temperature=1.0)  # (T,)
-    batch = {"log_probs": log_probs, "entropy": entropy, "old_log_probs": old, "advantages": adv,
-             "loss_mask": mask, "response_lengths": lengths}
-    loss, metrics = loss_function(batch, config, LossNormalizer(num_samples=64, num_tokens=n))
+    trainer = PolicyTrainer(engine, LossConfig(advantage_estimator="grpo"),
+                            global_batch_size=64, micro_batch_size=1, max_tokens_per_gpu=None)
+    step_metrics = trainer.train(shard)  # this rank's RolloutBatch of the rollout
 
-Modules: `ppo_utils` (formulas), `advantages`, `loss_config`, `loss`, `logprobs`, `sample`,
-`rollout_data`, `balance`, `micro_batch`, `packing`, `data`, `parallel`, `log_utils`,
-`ci_utils`, `device`.
+Losses and advantage estimators are registered once, in `algorithms` (`LOSSES`, `ESTIMATORS`).
+
+Modules: `trainer`, `train_engine`, `algorithms`, `loss`, `loss_config`, `advantages`,
+`ppo_utils` (formulas), `logprobs`, `sample`, `rollout_data`, `balance`, `micro_batch`,
+`packing`, `data`, `parallel`, `log_utils`, `import_path`, `ci_utils`, `device`.
 """
 
-from miles.backends.training_utils.advantages import compute_advantages_and_returns, shape_rewards
-from miles.backends.training_utils.data import (
-    DataIterator,
-    get_batch,
-    get_data_iterator,
-    get_rollout_data,
-)
-from miles.backends.training_utils.device import DeviceInfo, get_device_info
-from miles.backends.training_utils.log_utils import (
-    aggregate_forward_results,
-    aggregate_train_losses,
-    log_rollout_data,
-    log_train_step,
+from miles.backends.training_utils.algorithms import (
+    ESTIMATORS,
+    LOSSES,
+    Algorithm,
+    EstimatorSpec,
+    LossSpec,
+    compute_advantages_and_returns,
+    shape_rewards,
 )
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.loss import LossNormalizer, loss_function, value_loss_function
+from miles.backends.training_utils.loss import LossNormalizer, policy_loss, sft_loss
 from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.parallel import (
-    GroupInfo,
-    ParallelState,
-    get_parallel_state,
-    set_parallel_state,
-)
 from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.train_engine import (
+    LoadedCheckpoint,
+    MicroBatchLoss,
+    OptimizerStepResult,
+    TrainEngine,
+)
+from miles.backends.training_utils.trainer import PolicyTrainer
 
 __all__ = [
-    "DataIterator",
-    "DeviceInfo",
-    "GroupInfo",
+    "ESTIMATORS",
+    "LOSSES",
+    "Algorithm",
+    "EstimatorSpec",
+    "LoadedCheckpoint",
     "LossConfig",
     "LossNormalizer",
-    "ParallelState",
+    "LossSpec",
+    "MicroBatchLoss",
+    "OptimizerStepResult",
+    "PolicyTrainer",
     "Sample",
     "SampleStatus",
-    "aggregate_forward_results",
-    "aggregate_train_losses",
+    "TrainEngine",
     "compute_advantages_and_returns",
-    "get_batch",
-    "get_data_iterator",
-    "get_device_info",
     "get_log_probs_and_entropy",
-    "get_parallel_state",
-    "get_rollout_data",
-    "log_rollout_data",
-    "log_train_step",
-    "loss_function",
-    "set_parallel_state",
+    "policy_loss",
+    "sft_loss",
     "shape_rewards",
-    "value_loss_function",
 ]

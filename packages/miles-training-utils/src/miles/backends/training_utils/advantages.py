@@ -1,21 +1,21 @@
-"""From rewards to per-token advantages and returns, one entry per estimator in two tables.
+"""From rewards to per-token advantages and returns: the two functions of every built-in estimator.
 
-`shape_rewards` runs on the rollout side, over a whole global batch (groups are consecutive
-`n_samples_per_prompt` samples); `compute_advantages_and_returns` runs on each train rank over its
-shard. Estimators that whiten over the batch (the REINFORCE++ family) reduce their statistics
-across the ranks of `group`, so every rank whitens with the global mean and variance.
+A *shaper* runs on the rollout side over a whole global batch (groups are consecutive
+`n_samples_per_prompt` samples); a *rule* runs on each train rank over its shard. Estimators that
+whiten over the batch (the REINFORCE++ family) reduce their statistics across the ranks of
+`group`, so every rank whitens with the global mean and variance. Which estimator uses which pair
+is declared once, in `algorithms.ESTIMATORS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from miles.backends.training_utils.device import collective_device
-from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.ppo_utils import (
     compute_approx_kl,
     get_gae_advantages_and_returns,
@@ -24,30 +24,44 @@ from miles.backends.training_utils.ppo_utils import (
     rloo_advantages,
 )
 
+if TYPE_CHECKING:
+    from miles.backends.training_utils.loss_config import LossConfig
+
 RolloutColumns = dict[str, list]
-
-_SHAPERS: dict[str, Callable[[Tensor, int, bool], Tensor]] = {
-    "grpo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=std),
-    "gspo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=std),
-    "dr_grpo": lambda r, n, std: group_normalize_rewards(r, n, std_normalization=False),
-    "reinforce_plus_plus_baseline": lambda r, n, std: group_normalize_rewards(
-        r, n, std_normalization=False
-    ),
-    "rloo": lambda r, n, std: rloo_advantages(r, n),
-    "reinforce_plus_plus": lambda r, n, std: r.clone(),
-    "ppo": lambda r, n, std: r.clone(),
-}
+Advantages = tuple[list[Tensor], list[Tensor]]
+"""(advantages, returns): one (response_length,) tensor per sample each."""
 
 
-def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -> Tensor:
-    """Per-sample rewards as the estimator consumes them: group-normalized (grpo, gspo), group
-    mean-centred (dr_grpo, reinforce_plus_plus_baseline), leave-one-out (rloo) or raw."""
-    return _SHAPERS[config.advantage_estimator](
-        raw_rewards.double(), group_size, config.grpo_std_normalization
-    ).to(raw_rewards.dtype)
+# -- shapers: (B,) raw rewards -> (B,) rewards as the estimator consumes them --------------------
 
 
-def _masks(batch: RolloutColumns) -> list[Tensor]:
+def group_normalized(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor:
+    """grpo, gspo: (r - group mean) / group std (the std only with --grpo-std-normalization)."""
+    return group_normalize_rewards(
+        raw_rewards, group_size, std_normalization=config.grpo_std_normalization
+    )
+
+
+def group_centred(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor:
+    """dr_grpo, reinforce_plus_plus_baseline: r - group mean."""
+    return group_normalize_rewards(raw_rewards, group_size, std_normalization=False)
+
+
+def leave_one_out(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor:
+    """rloo: r minus the mean of the group's other rewards."""
+    return rloo_advantages(raw_rewards, group_size)
+
+
+def unshaped(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor:
+    """reinforce_plus_plus, ppo and custom estimators: the raw reward itself."""
+    return raw_rewards.clone()
+
+
+# -- rules: a rank's shard -> per-token advantages and returns --------------------------------
+
+
+def loss_masks(batch: RolloutColumns) -> list[Tensor]:
+    """The shard's loss masks as float32 (R,) tensors, the `masks` argument of every rule."""
     return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_masks"]]
 
 
@@ -98,10 +112,7 @@ def global_whiten(
     ]
 
 
-Advantages = tuple[list[Tensor], list[Tensor]]
-
-
-def _broadcast_reward(
+def broadcast_reward(
     batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """grpo, dr_grpo, gspo, rloo: the shaped sample reward on every response token."""
@@ -111,7 +122,7 @@ def _broadcast_reward(
     return advantages, advantages
 
 
-def _reinforce_plus_plus(
+def reinforce_plus_plus(
     batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """REINFORCE++ (Hu 2025): discounted token returns, whitened over the global batch."""
@@ -121,7 +132,7 @@ def _reinforce_plus_plus(
     return global_whiten(returns, masks, group), returns
 
 
-def _reinforce_plus_plus_baseline(
+def reinforce_plus_plus_baseline(
     batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """REINFORCE++-baseline: group-centred reward on every token minus the per-token KL
@@ -134,33 +145,8 @@ def _reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-def _ppo(batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group) -> Advantages:
+def gae(batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group) -> Advantages:
     """PPO: GAE over trainable tokens with the critic's values."""
     values = [torch.as_tensor(v, dtype=torch.float32) for v in batch["values"]]
     rewards = _token_rewards(batch, config, masks)
     return get_gae_advantages_and_returns(rewards, values, masks, config.gamma, config.lambd)
-
-
-_ADVANTAGE_RULES: dict[str, Callable[..., Advantages]] = {
-    "grpo": _broadcast_reward,
-    "dr_grpo": _broadcast_reward,
-    "gspo": _broadcast_reward,
-    "rloo": _broadcast_reward,
-    "reinforce_plus_plus": _reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": _reinforce_plus_plus_baseline,
-    "ppo": _ppo,
-}
-assert set(_ADVANTAGE_RULES) == set(_SHAPERS), "estimator tables drifted"
-
-
-def compute_advantages_and_returns(
-    batch: RolloutColumns, config: LossConfig, *, group=None
-) -> None:
-    """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
-
-    `batch["rewards"]` holds the output of `shape_rewards`. Uses `loss_masks`; `log_probs` and
-    `ref_log_probs` when --kl-coef is set; `values` for ppo. `group` is the data-parallel process
-    group over which batch-level statistics are reduced (None: the default group, if any).
-    """
-    rule = _ADVANTAGE_RULES[config.advantage_estimator]
-    batch["advantages"], batch["returns"] = rule(batch, config, _masks(batch), group)

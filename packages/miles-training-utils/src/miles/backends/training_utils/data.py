@@ -54,7 +54,7 @@ def get_data_iterator(
     """Micro-batches over `batch`: by token budget (`total_lengths`) or by sample count.
 
     Pass exactly the setting the chosen mode uses and None for the other, so a setting that would
-    be ignored is an error rather than a silent no-op (DESIGN §8). `num_micro_batches` (dynamic
+    be ignored is an error rather than a silent no-op (architecture.md: "Design rules"). `num_micro_batches` (dynamic
     only) forces that many micro-batches, e.g. the maximum over data-parallel ranks.
     """
     n = batch_size(batch)
@@ -94,6 +94,16 @@ def _per_sample_tensor(column: list) -> torch.Tensor:
     if all(isinstance(v, int) and not isinstance(v, bool) for v in column):
         return torch.tensor(column, dtype=torch.long)
     return torch.tensor(column, dtype=torch.float32)
+
+
+def token_columns(micro: RolloutBatch, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Per-token columns of a micro-batch (one value per response token of every sample) as
+    (sum of response lengths,) float32 tensors, samples concatenated in row order."""
+    missing = [key for key in keys if key not in micro]
+    if missing:
+        raise KeyError(f"keys {missing} are not in the batch; it has {sorted(micro)}")
+    lengths = micro["response_lengths"]
+    return {key: _per_token_tensor(key, micro[key], lengths) for key in keys}
 
 
 def get_batch(micro: RolloutBatch, keys: Sequence[str], pad_multiple: int = 1) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Which accelerator this process uses, and the few device operations the rest of miles needs.
 
-This is the only module in miles that branches on the device kind (DESIGN §6): everything else asks
-it for a `torch.device`, the distributed backend name, a synchronisation point or a memory report.
+This is the only module in miles that branches on the device kind (architecture.md: "Devices"):
+everything else asks it for a `torch.device`, the distributed backend name, a synchronisation point
+or a memory report.
 ROCm builds of PyTorch expose AMD GPUs through the `cuda` device type, so "rocm" differs from
 "cuda" only in what it reports and in which vendor library measures device memory.
 """

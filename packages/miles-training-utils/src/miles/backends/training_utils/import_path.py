@@ -41,6 +41,17 @@ def split_import_path(path: str, flag: str) -> tuple[str, list[str]]:
 
 def load_function(path: str, flag: str) -> Callable[..., Any]:
     """Import and return the callable that `path` names; `flag` is quoted in every error."""
+    target = load_object(path, flag)
+    if not callable(target):
+        raise ImportPathError(
+            f"{flag} {path!r} names a {type(target).__name__}, not a function; point it at a "
+            "callable"
+        )
+    return target
+
+
+def load_object(path: str, flag: str) -> Any:
+    """Import and return whatever `path` names (a function, a class, a spec object)."""
     module_name, names = split_import_path(path, flag)
     try:
         target: Any = importlib.import_module(module_name)
@@ -66,9 +77,4 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ImportPathError(f"{flag} {path!r}: {owner!r} has no attribute {name!r}{hint}")
         target = getattr(target, name)
-    if not callable(target):
-        raise ImportPathError(
-            f"{flag} {path!r} names a {type(target).__name__}, not a function; point it at a "
-            "callable"
-        )
     return target

@@ -108,7 +108,7 @@ def aggregate_train_losses(
     `sample_weighted`. Sums and weights are added up over micro-batches, then over ranks in one
     all_reduce, and divided at the end; a metric whose total weight is 0 comes out as NaN.
     `group` is the axis whose ranks hold different data, normally
-    `get_parallel_state().dp_cp.group`; None means this process alone (no communication), as in
+    the backend's `ParallelState.dp_cp.group`; None means this process alone (no communication), as in
     `GroupInfo`. Every rank of `group` must call this with the same metric names.
     """
     if not losses:

@@ -7,20 +7,19 @@ Reductions (l = per-token loss, m = loss mask, over the *global* batch of N samp
 Every micro-batch divides by global counts (`LossNormalizer`), never by its own, so summing
 micro-batch gradients gives the same gradient for any micro-batch size. The result is multiplied
 by the data-parallel size because FSDP and Megatron *average* gradients over data-parallel ranks.
+The built-in losses (`policy_loss`, `sft_loss`) are registered in `algorithms.LOSSES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from miles.backends.training_utils.advantages import compute_advantages_and_returns
 from miles.backends.training_utils.log_utils import token_weighted
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.ppo_utils import (
     compute_approx_kl,
     compute_gspo_kl,
@@ -32,14 +31,10 @@ from miles.backends.training_utils.ppo_utils import (
     compute_value_loss,
 )
 
-__all__ = [
-    "LossNormalizer",
-    "compute_advantages_and_returns",
-    "get_log_probs_and_entropy",
-    "loss_function",
-    "reduce_loss",
-    "value_loss_function",
-]
+if TYPE_CHECKING:
+    from miles.backends.training_utils.loss_config import LossConfig
+
+__all__ = ["LossNormalizer", "policy_loss", "reduce_loss", "sft_loss", "value_loss_function"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,14 +115,30 @@ def _off_policy_weights(
     return weights, {"mis_kept_fraction": torch.stack([keep.sum(), torch.tensor(float(len(keep)))])}
 
 
-def loss_function(
+def sft_loss(
     batch: dict, config: LossConfig, normalizer: LossNormalizer
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss of one micro-batch and its metrics as (weighted sum, weight) pairs.
+    """Negative log-likelihood of the response tokens (supervised fine-tuning).
 
     `batch` holds (T,) tensors over the micro-batch's response tokens, samples concatenated:
-    `log_probs` and `entropy` (current policy, with grad), `loss_mask`, and for the policy loss
-    `old_log_probs`, `advantages`, plus `ref_log_probs` (--use-kl-loss) and `rollout_log_probs`
+    `log_probs` (with grad) and `loss_mask`; `response_lengths` lists each sample's token count.
+    """
+    log_probs, mask = batch["log_probs"], batch["loss_mask"].to(batch["log_probs"].dtype)
+    per_token = compute_sft_loss(log_probs)
+    loss = reduce_loss(
+        per_token, mask, list(batch["response_lengths"]), config=config, normalizer=normalizer
+    )
+    return loss, {"sft_loss": token_weighted(per_token.detach(), mask)}
+
+
+def policy_loss(
+    batch: dict, config: LossConfig, normalizer: LossNormalizer
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped policy-gradient loss of one micro-batch and its metrics as (sum, weight) pairs.
+
+    `batch` holds (T,) tensors over the micro-batch's response tokens, samples concatenated:
+    `log_probs` and `entropy` (current policy, with grad), `loss_mask`, `old_log_probs`,
+    `advantages`, plus `ref_log_probs` (--use-kl-loss) and `rollout_log_probs`
     (--off-policy-correction); `response_lengths` lists each sample's token count.
     """
     log_probs, mask = batch["log_probs"], batch["loss_mask"].to(batch["log_probs"].dtype)
@@ -135,10 +146,6 @@ def loss_function(
 
     def reduce(values: Tensor) -> Tensor:
         return reduce_loss(values, mask, lengths, config=config, normalizer=normalizer)
-
-    if config.loss_type == "sft_loss":
-        per_token = compute_sft_loss(log_probs)
-        return reduce(per_token), {"sft_loss": token_weighted(per_token.detach(), mask)}
 
     old_log_probs = batch["old_log_probs"]
     if config.advantage_estimator == "gspo":

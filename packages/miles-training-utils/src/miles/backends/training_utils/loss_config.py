@@ -1,7 +1,8 @@
 """The algorithm settings that the advantage and loss code reads, validated where they are built.
 
-A setting that the chosen estimator or loss would ignore is an error naming the flag (DESIGN §8):
-a run never silently trains with a KL or clip setting that has no effect.
+A setting that the chosen estimator or loss would ignore is an error naming the flag
+(architecture.md: "Design rules"): a run never silently trains with a KL or clip setting
+that has no effect. The names of losses and estimators are those of `algorithms`' registry.
 """
 
 from __future__ import annotations
@@ -9,30 +10,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from miles.backends.training_utils.ppo_utils import ADVANTAGE_ESTIMATORS, KL_TYPES
+from miles.backends.training_utils import algorithms
+from miles.backends.training_utils.import_path import split_import_path
+from miles.backends.training_utils.ppo_utils import KL_TYPES
 
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-]
-LossType = Literal["policy_loss", "sft_loss"]
 LossReduction = Literal["sample_mean", "token_mean", "constant"]
 OffPolicyCorrection = Literal["tis", "icepop", "mis"]
-
-# Estimators that turn per-token rewards into returns, so a KL penalty in the reward reaches them.
-TOKEN_REWARD_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-DISCOUNTING_ESTIMATORS = ("reinforce_plus_plus", "ppo")
-assert set(get_args(AdvantageEstimator)) == set(ADVANTAGE_ESTIMATORS), "estimator lists drifted"
 
 
 @dataclass(kw_only=True)
 class LossConfig:
     """How advantages are estimated and how the per-token loss is formed and reduced."""
 
-    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_estimator: str = "grpo"
     """--advantage-estimator: grpo, dr_grpo, gspo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline or ppo (needs a critic)."""
-    loss_type: LossType = "policy_loss"
-    """--loss-type: the clipped policy-gradient loss, or sft_loss (negative log-likelihood)."""
+    reinforce_plus_plus_baseline, ppo (needs a critic), or custom (with
+    --custom-advantage-function-path)."""
+    custom_advantage_function_path: str | None = None
+    """--custom-advantage-function-path: "pkg.mod:fn" for --advantage-estimator custom: fn(batch,
+    config, loss_masks, dp_group) -> (advantages, returns), or an `algorithms.EstimatorSpec`."""
+    loss_type: str = "policy_loss"
+    """--loss-type: policy_loss (the clipped policy-gradient loss), sft_loss (negative
+    log-likelihood), or custom_loss (with --custom-loss-function-path)."""
+    custom_loss_function_path: str | None = None
+    """--custom-loss-function-path: "pkg.mod:fn" for --loss-type custom_loss: fn(inputs, config,
+    normalizer) -> (loss, metrics), or an `algorithms.LossSpec` that also names its inputs."""
     loss_reduction: LossReduction = "sample_mean"
     """--loss-reduction: sample_mean (mean over a sample's tokens, then over samples), token_mean
     (--calculate-per-token-loss: every trainable token of the global batch weighs the same), or
@@ -79,14 +81,15 @@ class LossConfig:
     def __post_init__(self) -> None:
         self.eps_clip_high = self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
         self._check_choices()
+        estimator = self._check_custom_paths()
         self._check_ranges()
-        self._check_kl()
-        self._check_estimator_specific()
+        self._check_kl(estimator)
+        self._check_estimator_specific(estimator)
 
     def _check_choices(self) -> None:
         for flag, value, choices in (
-            ("--advantage-estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
-            ("--loss-type", self.loss_type, get_args(LossType)),
+            ("--advantage-estimator", self.advantage_estimator, algorithms.estimator_names()),
+            ("--loss-type", self.loss_type, algorithms.loss_names()),
             ("--loss-reduction", self.loss_reduction, get_args(LossReduction)),
             ("--kl-loss-type", self.kl_loss_type, KL_TYPES),
         ):
@@ -97,6 +100,31 @@ class LossConfig:
             raise ValueError(
                 f"--off-policy-correction {self.off_policy_correction!r} is not one of {', '.join(corrections)}"
             )
+
+    def _check_custom_paths(self) -> algorithms.EstimatorSpec:
+        for flag, path, choice, value, chosen in (
+            (
+                algorithms.CUSTOM_LOSS_FLAG, self.custom_loss_function_path,
+                f"--loss-type {algorithms.CUSTOM_LOSS}", self.loss_type, algorithms.CUSTOM_LOSS,
+            ),
+            (
+                algorithms.CUSTOM_ESTIMATOR_FLAG, self.custom_advantage_function_path,
+                f"--advantage-estimator {algorithms.CUSTOM_ESTIMATOR}", self.advantage_estimator,
+                algorithms.CUSTOM_ESTIMATOR,
+            ),
+        ):  # fmt: skip
+            if value == chosen and path is None:
+                raise ValueError(f"{choice} needs {flag} 'package.module:function'")
+            if path is not None and value != chosen:
+                raise ValueError(
+                    f"{flag} {path!r} is only used with {choice}, not {value!r}; set {choice} "
+                    f"or drop {flag}"
+                )
+            if path is not None:
+                split_import_path(path, flag)
+        # Loaded here, on the driver, so a wrong path or spec fails before anything starts.
+        algorithms.loss_spec(self)
+        return algorithms.estimator_spec(self)
 
     def _check_ranges(self) -> None:
         if not 0 <= self.eps_clip < 1 or self.eps_clip_high < 0:
@@ -132,7 +160,7 @@ class LossConfig:
                 f"--loss-reduction constant, not {self.loss_reduction}; drop it or switch the reduction"
             )
 
-    def _check_kl(self) -> None:
+    def _check_kl(self, estimator: algorithms.EstimatorSpec) -> None:
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             raise ValueError(
                 f"--use-kl-loss with --kl-loss-coef {self.kl_loss_coef} adds nothing to the loss but "
@@ -144,20 +172,24 @@ class LossConfig:
             )
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef ({self.kl_coef}) must be >= 0")
-        if self.kl_coef and self.advantage_estimator not in TOKEN_REWARD_ESTIMATORS:
+        if self.kl_coef and not estimator.token_rewards:
+            token_reward_estimators = [
+                n for n, e in algorithms.ESTIMATORS.items() if e.token_rewards
+            ]
             raise ValueError(
                 f"--kl-coef {self.kl_coef} would be ignored by --advantage-estimator "
                 f"{self.advantage_estimator}, which uses one reward per sample; use --use-kl-loss "
                 f"--kl-loss-coef {self.kl_coef} instead, or an estimator among "
-                f"{', '.join(TOKEN_REWARD_ESTIMATORS)}"
+                f"{', '.join(token_reward_estimators)}"
             )
 
-    def _check_estimator_specific(self) -> None:
+    def _check_estimator_specific(self, estimator_spec: algorithms.EstimatorSpec) -> None:
         estimator = self.advantage_estimator
-        if self.gamma != 1.0 and estimator not in DISCOUNTING_ESTIMATORS:
+        if self.gamma != 1.0 and not estimator_spec.discounting:
+            discounting = [n for n, e in algorithms.ESTIMATORS.items() if e.discounting]
             raise ValueError(
                 f"--gamma {self.gamma} is ignored by --advantage-estimator {estimator}; it applies "
-                f"to {', '.join(DISCOUNTING_ESTIMATORS)}"
+                f"to {', '.join(discounting)}"
             )
         if self.lambd != 1.0 and estimator != "ppo":
             raise ValueError(

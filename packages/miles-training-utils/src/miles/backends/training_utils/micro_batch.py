@@ -1,6 +1,6 @@
 """Group one rank's samples into micro-batches: a fixed number of samples, or a token budget.
 
-Dynamic batching guarantees the budget in every micro-batch, not on average (DESIGN §8). Indices
+Dynamic batching guarantees the budget in every micro-batch, not on average (architecture.md: "Design rules"). Indices
 are rows of the rank's batch; each micro-batch lists them in ascending order, and micro-batches are
 ordered by their smallest index, so the result is a pure function of the lengths.
 """

@@ -14,20 +14,13 @@ from torch import Tensor
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-]
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
-
 # exp(20) ~ 4.9e8: keeps the k3 estimator finite when the reference model is far more likely.
 _K3_MAX_NEG_LOG_RATIO = 20.0
 # verl and slime clamp low_var_kl to this range.
 _LOW_VAR_KL_BOUND = 10.0
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "KL_TYPES",
-    "AdvantageEstimator",
     "KLType",
     "compute_approx_kl",
     "compute_gspo_kl",

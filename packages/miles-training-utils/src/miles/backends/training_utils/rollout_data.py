@@ -1,4 +1,6 @@
-"""The columnar train data of one rollout (DESIGN §3.3) and the row selections done on it.
+"""The columnar train data of one rollout and the row selections done on it.
+
+(architecture.md: "Contracts / Data")
 
 A `RolloutBatch` is a plain dict of equal-length per-sample lists, so it pickles cheaply into the
 Ray object store and a data-parallel shard is just a row selection. Tensors are made later, per

@@ -1,4 +1,6 @@
-"""One generated answer to one prompt, as the rollout side hands it to training (DESIGN §3.3).
+"""One generated answer to one prompt, as the rollout side hands it to training.
+
+(architecture.md: "Contracts / Data")
 
 A `Sample` is row-shaped and mutable while a rollout fills it in; training works on the columnar
 `RolloutBatch` built from a list of them (`rollout_data.samples_to_rollout_batch`).
@@ -58,7 +60,8 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data for custom rollout and reward functions."""
     weight_version: int | None = None
-    """The engine's weight version that generated the response (DESIGN §3.4)."""
+    """The engine's weight version that generated the response (architecture.md: "Contracts /
+    Weight sync")."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,0 +1,239 @@
+"""The registry of losses and advantage estimators: each declared once, with the inputs it reads.
+
+`--loss-type` and `--advantage-estimator` pick an entry by name. The train step asks
+`Algorithm.inputs` which batch columns to compute, so a run whose loss reads no reference
+log-probs never runs the reference model. A user's function given by
+`--custom-loss-function-path` or `--custom-advantage-function-path` becomes the entry
+`custom_loss` / `custom` and runs through exactly the code a built-in does.
+
+Adding a built-in loss: write the function (in `loss.py`), add one `LossSpec` to `LOSSES`, add
+one test (docs/guides/adding-a-loss.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import Tensor
+
+from miles.backends.training_utils import advantages as adv
+from miles.backends.training_utils.import_path import ImportPathError, load_object
+from miles.backends.training_utils.loss import LossNormalizer, policy_loss, sft_loss
+
+if TYPE_CHECKING:
+    from miles.backends.training_utils.loss_config import LossConfig
+
+BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "values"]
+"""What the train step can compute for a loss, beyond what every loss gets (`log_probs` and
+`entropy` of the policy being trained, `loss_mask`, `response_lengths`):
+
+- old_log_probs: the policy's log-probs before this rollout's first optimizer step (or the
+  engine's, with --use-rollout-logprobs);
+- ref_log_probs: the frozen reference model's log-probs (runs a second model);
+- rollout_log_probs: the engine's log-probs, recorded during generation;
+- advantages: per-token advantages from the estimator (and `returns`);
+- values: a critic's values (ppo; no backend trains a critic yet).
+"""
+BATCH_INPUTS: frozenset[str] = frozenset(BatchInput.__args__)  # type: ignore[attr-defined]
+
+LossFn = Callable[[dict[str, Any], "LossConfig", LossNormalizer], tuple[Tensor, dict[str, Tensor]]]
+"""(inputs, config, normalizer) -> (loss, metrics as (weighted sum, weight) pairs); `inputs`
+holds (T,) tensors over the micro-batch's response tokens, samples concatenated."""
+Shaper = Callable[[Tensor, int, "LossConfig"], Tensor]
+"""(raw rewards (B,), group size, config) -> (B,) rewards as the estimator consumes them."""
+AdvantageFn = Callable[[dict[str, list], "LossConfig", list[Tensor], Any], adv.Advantages]
+"""(shard columns, config, per-sample float loss masks, dp group) -> (advantages, returns)."""
+
+CUSTOM_LOSS = "custom_loss"
+CUSTOM_ESTIMATOR = "custom"
+CUSTOM_LOSS_FLAG = "--custom-loss-function-path"
+CUSTOM_ESTIMATOR_FLAG = "--custom-advantage-function-path"
+
+
+def _check_inputs(inputs: frozenset[str], owner: str) -> None:
+    unknown = set(inputs) - BATCH_INPUTS
+    if unknown:
+        raise ValueError(
+            f"{owner} inputs {sorted(unknown)} are not batch inputs the train step computes; "
+            f"choose from {sorted(BATCH_INPUTS)}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpec:
+    """One loss: its function and the batch inputs it reads."""
+
+    fn: LossFn
+    inputs: frozenset[str] = frozenset({"old_log_probs", "advantages"})
+    """Batch inputs (`BatchInput`) the function reads; the step computes exactly these."""
+    on_policy: bool = True
+    """Trains on samples the engines generated, so the step-0 check compares the engine's
+    log-probs with the trainer's; False for a loss on given data (sft_loss)."""
+
+    def __post_init__(self) -> None:
+        _check_inputs(self.inputs, "loss")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimatorSpec:
+    """One advantage estimator: its rollout-side reward shaper and its train-side rule."""
+
+    advantages: AdvantageFn
+    shape: Shaper = adv.unshaped
+    inputs: frozenset[str] = frozenset()
+    """Batch inputs the rule reads besides rewards and loss masks."""
+    token_rewards: bool = False
+    """Turns rewards into per-token returns, so a KL penalty folded into rewards (--kl-coef)
+    reaches it."""
+    discounting: bool = False
+    """Reads --gamma."""
+    needs_critic: bool = False
+
+    def __post_init__(self) -> None:
+        _check_inputs(self.inputs, "estimator")
+
+
+LOSSES: dict[str, LossSpec] = {
+    "policy_loss": LossSpec(fn=policy_loss),
+    "sft_loss": LossSpec(fn=sft_loss, inputs=frozenset(), on_policy=False),
+}
+"""--loss-type: the built-in losses by name (`custom_loss` comes from its flag)."""
+
+ESTIMATORS: dict[str, EstimatorSpec] = {
+    "grpo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_normalized),
+    "dr_grpo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_centred),
+    "gspo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_normalized),
+    "rloo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.leave_one_out),
+    "reinforce_plus_plus": EstimatorSpec(
+        advantages=adv.reinforce_plus_plus, token_rewards=True, discounting=True
+    ),
+    "reinforce_plus_plus_baseline": EstimatorSpec(
+        advantages=adv.reinforce_plus_plus_baseline, shape=adv.group_centred, token_rewards=True
+    ),
+    "ppo": EstimatorSpec(
+        advantages=adv.gae,
+        inputs=frozenset({"values"}),
+        token_rewards=True,
+        discounting=True,
+        needs_critic=True,
+    ),
+}
+"""--advantage-estimator: the built-in estimators by name (`custom` comes from its flag)."""
+
+
+def loss_names() -> tuple[str, ...]:
+    return (*LOSSES, CUSTOM_LOSS)
+
+
+def estimator_names() -> tuple[str, ...]:
+    return (*ESTIMATORS, CUSTOM_ESTIMATOR)
+
+
+def _load_custom(path: str, flag: str, spec_class: type, wrap: Callable[[Callable], Any]) -> Any:
+    """The spec object `path` names, or the plain function it names wrapped into a spec with the
+    default settings."""
+    target = load_object(path, flag)
+    if isinstance(target, spec_class):
+        return target
+    if not callable(target):
+        raise ImportPathError(
+            f"{flag} {path!r} names a {type(target).__name__}; point it at a function or a "
+            f"{spec_class.__name__}"
+        )
+    return wrap(target)
+
+
+def loss_spec(config: LossConfig) -> LossSpec:
+    """The entry --loss-type names; `custom_loss` loads --custom-loss-function-path."""
+    if config.loss_type != CUSTOM_LOSS:
+        return LOSSES[config.loss_type]
+    assert config.custom_loss_function_path, "LossConfig checks the pairing"
+    return _load_custom(
+        config.custom_loss_function_path, CUSTOM_LOSS_FLAG, LossSpec, lambda fn: LossSpec(fn=fn)
+    )
+
+
+def estimator_spec(config: LossConfig) -> EstimatorSpec:
+    """The entry --advantage-estimator names; `custom` loads --custom-advantage-function-path."""
+    if config.advantage_estimator != CUSTOM_ESTIMATOR:
+        return ESTIMATORS[config.advantage_estimator]
+    assert config.custom_advantage_function_path, "LossConfig checks the pairing"
+    return _load_custom(
+        config.custom_advantage_function_path,
+        CUSTOM_ESTIMATOR_FLAG,
+        EstimatorSpec,
+        lambda fn: EstimatorSpec(advantages=fn),
+    )
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What a run's LossConfig resolves to: the loss, the estimator and the inputs to compute."""
+
+    config: LossConfig
+    loss: LossSpec
+    estimator: EstimatorSpec
+
+    @classmethod
+    def from_config(cls, config: LossConfig) -> Algorithm:
+        return cls(config, loss_spec(config), estimator_spec(config))
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        """Every batch input the step computes: the loss's, the estimator's when the loss reads
+        advantages, and those the KL and off-policy settings read."""
+        config, needed = self.config, set(self.loss.inputs)
+        if "advantages" in needed:
+            needed |= self.estimator.inputs
+            if config.kl_coef:  # a KL penalty folded into token rewards
+                needed |= {"old_log_probs", "ref_log_probs"}
+        if config.use_kl_loss:
+            needed.add("ref_log_probs")
+        if config.off_policy_correction is not None:
+            needed |= {"old_log_probs", "rollout_log_probs"}
+        return frozenset(needed)
+
+    @property
+    def needs_reference(self) -> bool:
+        return "ref_log_probs" in self.inputs
+
+
+def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -> Tensor:
+    """Per-sample rewards as --advantage-estimator consumes them (on the rollout side, over the
+    whole rollout): group-normalized (grpo, gspo), group-centred (dr_grpo,
+    reinforce_plus_plus_baseline), leave-one-out (rloo) or raw."""
+    shape = estimator_spec(config).shape
+    return shape(raw_rewards.double(), group_size, config).to(raw_rewards.dtype)
+
+
+def compute_advantages_and_returns(
+    batch: dict[str, list], config: LossConfig, *, group: Any = None
+) -> None:
+    """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
+
+    `batch["rewards"]` holds the output of `shape_rewards`. The rule reads `loss_masks`, and
+    `log_probs` and `ref_log_probs` when --kl-coef is set, `values` for ppo. `group` is the
+    data-parallel process group over which batch-level statistics are reduced (None: the default
+    group, if any).
+    """
+    rule = estimator_spec(config).advantages
+    batch["advantages"], batch["returns"] = rule(batch, config, adv.loss_masks(batch), group)
+
+
+__all__ = [
+    "BATCH_INPUTS",
+    "ESTIMATORS",
+    "LOSSES",
+    "Algorithm",
+    "EstimatorSpec",
+    "ImportPathError",
+    "LossSpec",
+    "compute_advantages_and_returns",
+    "estimator_names",
+    "estimator_spec",
+    "loss_names",
+    "loss_spec",
+    "shape_rewards",
+]

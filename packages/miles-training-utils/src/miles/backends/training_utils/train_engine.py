@@ -1,0 +1,121 @@
+"""`TrainEngine`: the few primitives a training backend supplies; the RL step is written once on top.
+
+The step (`trainer.PolicyTrainer`) decides what to compute and in which order; an engine only runs
+micro-batches through its model. Engines own their forward/backward loop, so a schedule-driven
+backend (Megatron's pipeline schedules interleave forwards and backwards of several micro-batches)
+plugs in the same way as a plain loop (FSDP): the step hands over the whole list of micro-batches
+and a loss callback, and the engine calls the callback wherever its schedule computes a loss.
+
+Every method is called on every rank of the training group, in the same order (most are
+collectives). Results come back on every rank, also where a pipeline stage computed no loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from miles.backends.training_utils.rollout_data import RolloutBatch
+
+MicroBatchLoss = Callable[[int, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+"""(micro-batch index, log_probs (sum R,), entropy (sum R,)) -> (loss, metric pairs).
+
+`log_probs` and `entropy` cover the micro-batch's response tokens, samples concatenated, with
+gradients. The engine backpropagates `loss` as it is (plus whatever scaling its own schedule
+needs, which it undoes itself)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerStepResult:
+    """What one optimizer step reports (the same on every rank)."""
+
+    grad_norm: float
+    """Norm of the full gradient before clipping."""
+    lr: float
+    """Learning rate the step used."""
+    applied: bool
+    """False when the step was skipped (a non-finite gradient norm)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedCheckpoint:
+    """A checkpoint an engine restored: the rollout it ended and what the saver put beside it."""
+
+    rollout_id: int
+    extra: dict[str, Any]
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """One rank of a training backend, as the RL step sees it."""
+
+    dp_group: Any
+    """Process group over the data-parallel replicas (ranks holding different samples); None
+    when this rank is the only replica."""
+    dp_size: int
+    """Number of data-parallel replicas."""
+    dp_rank: int
+    """Which replica this rank belongs to: the rollout shard it trains on."""
+    context_parallel_size: int
+    """Ranks one sequence is split over: a micro-batch may hold this many times
+    --max-tokens-per-gpu tokens."""
+    engine_dtype: torch.dtype
+    """dtype in which the weights go to the rollout engines and into HF exports."""
+
+    def forward_log_probs(
+        self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False
+    ) -> list[Tensor]:
+        """Without gradients: per micro-batch, the (sum R,) float32 CPU log-probs of its response
+        tokens under the policy (or the frozen reference model)."""
+        ...
+
+    def forward_backward(
+        self, micro_batches: Sequence[RolloutBatch], loss_fn: MicroBatchLoss
+    ) -> list[dict[str, Tensor]]:
+        """Forward every micro-batch with gradients, call `loss_fn` on each and accumulate the
+        gradients of its loss; returns each micro-batch's metric pairs, in order."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients."""
+        ...
+
+    def optimizer_step(self) -> OptimizerStepResult:
+        """Clip by the full gradient norm, step the optimizer and the learning-rate schedule."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(Hugging Face name, full tensor in `engine_dtype`) pairs for weight sync; a collective
+        where the weights are sharded, so every rank drains it."""
+        ...
+
+    def weights_on_device(self) -> contextlib.AbstractContextManager[None]:
+        """Keeps the weights readable for a weight push while the engine sleeps (a no-op where
+        sleeping leaves them readable)."""
+        ...
+
+    def save(self, directory: str, rollout_id: int, extra: dict[str, Any]) -> None:
+        """A resumable checkpoint of rollout `rollout_id`; writes the latest pointer last."""
+        ...
+
+    def load(self, directory: str) -> LoadedCheckpoint | None:
+        """Restore the latest complete checkpoint in `directory`; None when there is none."""
+        ...
+
+    def export_hf(self, path: str | Path) -> None:
+        """The current weights as a Hugging Face checkpoint directory."""
+        ...
+
+    def sleep(self) -> None:
+        """Free device memory: the training state waits in host memory."""
+        ...
+
+    def wake_up(self) -> None:
+        """Bring back what `sleep` moved."""
+        ...
