@@ -167,7 +167,8 @@ def build(session: nox.Session, device: str) -> None:
     offenders = {w.name: bad for w in wheels if (bad := _namespace_inits(w))}
     if offenders:
         session.error(
-            f"namespace levels must stay empty (DESIGN §1); these wheels ship {offenders}"
+            "namespace levels must stay empty (architecture.md: 'Packages and the direction of "
+            f"dependencies'); these wheels ship {offenders}: delete those __init__.py files"
         )
 
     with tempfile.TemporaryDirectory(prefix=f"miles-{device}-") as tmp:

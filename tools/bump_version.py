@@ -1,7 +1,8 @@
 """Set one version on every wheel and every sibling pin: `python tools/bump_version.py 0.2.0`.
 
-miles ships all wheels at one version with exact sibling pins (DESIGN §2), so a release is one
-command. `check_versions` is what the test suite runs to catch a hand edit that broke the rule.
+miles ships all wheels at one version with exact sibling pins (architecture.md: "Repository
+layout"), so a release is one command. `check_versions` is what the test suite runs to catch a
+hand edit that broke the rule.
 """
 
 from __future__ import annotations

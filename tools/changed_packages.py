@@ -1,8 +1,8 @@
 """Which packages a change touches, plus every package that depends on them.
 
-CI tests only these (DESIGN: nox per package). A file outside `packages/` that can change how
-everything builds or runs (the lock, the root pyproject, noxfile, tools, tests/e2e) selects all
-packages; documentation alone selects none.
+CI tests only these (architecture.md: "Repository layout"). A file outside `packages/` that can
+change how everything builds or runs (the lock, the root pyproject, noxfile, tools, tests/e2e)
+selects all packages; documentation alone selects none.
 
     python tools/changed_packages.py --base origin/main          # from git
     python tools/changed_packages.py packages/miles/src/x.py     # from paths

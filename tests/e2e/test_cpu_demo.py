@@ -39,6 +39,7 @@ def test_cpu_demo_learns_within_ten_minutes(tmp_path):
     grpo = eval_rewards(tmp_path / "demo" / "grpo")
     sft = eval_rewards(tmp_path / "demo" / "sft")
     print(result.stdout[-600:])
+    print(f"held-out reward: {sft[0]:.3f} (start) -> {grpo[0]:.3f} (after SFT) -> {grpo[-1]:.3f}")
     assert grpo[-1] - grpo[0] >= 0.3, f"GRPO moved the held-out reward {grpo[0]} -> {grpo[-1]}"
     assert grpo[-1] - sft[0] >= 0.3
     assert elapsed < 600, f"the demo took {elapsed:.0f} s"

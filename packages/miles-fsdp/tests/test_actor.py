@@ -3,10 +3,10 @@ never attends across documents, the resume / sleep / export life cycle, and refu
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,25 +29,31 @@ def build_checkpoint(path: Path, seed: int = 0) -> Path:
     return build_tiny_checkpoint(path, seed=seed)
 
 
-def make_args(checkpoint: Path, *, loss: dict | None = None, **fsdp: object) -> SimpleNamespace:
-    """The namespace FSDPTrainRayActor.init reads; `fsdp` overrides FSDPArgs fields."""
+@dataclasses.dataclass
+class InitArgs:
+    """What FSDPTrainRayActor.init takes: the run spec, the loss config, the backend's args."""
+
+    spec: object
+    loss: object
+    fsdp: object
+
+    def with_paths(self, **paths: str) -> InitArgs:
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, **paths))
+
+
+def make_args(checkpoint: Path, *, loss: dict | None = None, **fsdp: object) -> InitArgs:
+    """`fsdp` overrides FSDPArgs fields, `loss` LossConfig fields."""
     from miles.backends.fsdp_utils.arguments import FSDPArgs
     from miles.backends.training_utils.loss_config import LossConfig
+    from miles.ray import TrainRunSpec
 
     settings = {"lr": 1e-3, "clip_grad": 0.05, "micro_batch_size": 1, "seed": 0}
     settings.update(fsdp)
-    return SimpleNamespace(
-        hf_checkpoint=str(checkpoint),
-        fsdp=FSDPArgs(**settings),
-        loss=LossConfig(**(loss or {})),
-        rollout_temperature=0.8,
-        global_batch_size=GLOBAL_BATCH,
-        n_samples_per_prompt=4,
-        save=None,
-        load=None,
-        engine_urls=[],
-        colocate=True,
-    )
+    spec = TrainRunSpec(
+        hf_checkpoint=str(checkpoint), rollout_temperature=0.8, global_batch_size=GLOBAL_BATCH,
+        num_rollout=1, num_steps_per_rollout=SAMPLES // GLOBAL_BATCH, colocate=True,
+    )  # fmt: skip
+    return InitArgs(spec=spec, loss=LossConfig(**(loss or {})), fsdp=FSDPArgs(**settings))
 
 
 def make_batch(num_samples: int = SAMPLES, seed: int = 0) -> dict[str, list]:
@@ -68,12 +74,12 @@ def make_batch(num_samples: int = SAMPLES, seed: int = 0) -> dict[str, list]:
     return batch
 
 
-def make_actor(rank: int, world_size: int, args: SimpleNamespace, with_ref: bool = False):
+def make_actor(rank: int, world_size: int, args: InitArgs, with_ref: bool = False):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 
     # The test harness already formed the group; setup_distributed keeps it.
     actor = FSDPTrainRayActor(rank, world_size, "127.0.0.1", free_port())
-    start = actor.init(args, "actor", with_ref)
+    start = actor.init(args.spec, args.loss, args.fsdp, with_ref=with_ref)
     return actor, start
 
 
@@ -104,16 +110,16 @@ def sample_log_probs(model, tokens: list[int], response_length: int, temperature
     )
 
 
-def reference_training(args: SimpleNamespace, batch: dict) -> tuple[list[dict], list[float], dict]:
+def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[float], dict]:
     """Plain transformers, one unpacked document at a time: grads per step, norms, final params."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.advantages import compute_advantages_and_returns
-    from miles.backends.training_utils.loss import LossNormalizer, loss_function
+    from miles.backends.training_utils.algorithms import compute_advantages_and_returns
+    from miles.backends.training_utils.loss import LossNormalizer, policy_loss
 
-    fsdp, temperature = args.fsdp, args.rollout_temperature
+    fsdp, temperature = args.fsdp, args.spec.rollout_temperature
     model = AutoModelForCausalLM.from_pretrained(
-        args.hf_checkpoint, dtype=torch.float32, attn_implementation=fsdp.attn_implementation
+        args.spec.hf_checkpoint, dtype=torch.float32, attn_implementation=fsdp.attn_implementation
     )
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=fsdp.lr, betas=(fsdp.adam_beta1, fsdp.adam_beta2),
@@ -141,7 +147,7 @@ def reference_training(args: SimpleNamespace, batch: dict) -> tuple[list[dict], 
                 "advantages": batch["advantages"][i],
                 "ref_log_probs": old[i],
             }
-            loss, _ = loss_function(inputs, args.loss, normalizer)
+            loss, _ = policy_loss(inputs, args.loss, normalizer)
             loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.clip_grad)))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -173,14 +179,14 @@ def _train_under_meshes(rank: int, checkpoint: Path) -> list[dict]:
         actor, _ = make_actor(rank, 4, args, with_ref=loss.get("use_kl_loss", False))
         captured = capture_full_grads(actor)
         metrics = actor.train(0, local_shard(batch, rank, 4))
-        params = full_params(actor.model)
+        params = full_params(actor.engine.model)
         if rank != 0:
             results.append({})
             continue
         ref_grads, ref_norms, ref_params = reference_training(args, batch)
         results.append(
             {
-                "mesh": tuple(actor.model.model.embed_tokens.weight.device_mesh.shape),
+                "mesh": tuple(actor.engine.model.model.embed_tokens.weight.device_mesh.shape),
                 "norms": [m["train/grad_norm"] for m in metrics],
                 "ref_norms": ref_norms,
                 "grad_diff": [_max_rel_diff(c, r) for c, r in zip(captured, ref_grads, strict=True)],
@@ -192,14 +198,14 @@ def _train_under_meshes(rank: int, checkpoint: Path) -> list[dict]:
 
 def capture_full_grads(actor) -> list[dict[str, torch.Tensor]]:
     """Full gradients seen by each optimizer step (after clipping), appended as steps run."""
-    names = {id(p): n for n, p in actor.model.named_parameters()}
+    names = {id(p): n for n, p in actor.engine.model.named_parameters()}
     captured: list[dict[str, torch.Tensor]] = []
 
     def capture(optimizer, *_):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         captured.append({names[id(p)]: p.grad.full_tensor() for p in params})
 
-    actor.optimizer.register_step_pre_hook(capture)
+    actor.engine.optimizer.register_step_pre_hook(capture)
     return captured
 
 
@@ -279,7 +285,8 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
     actor = FSDPTrainRayActor(0, 1, "127.0.0.1", free_port())
     # Refused either where FSDPArgs is built or in init, before any process group forms.
     with pytest.raises(ValueError, match=flag.replace("-", r"\-")):
-        actor.init(make_args(tmp_path, loss=loss, **fsdp), role, False)
+        args = make_args(tmp_path, loss=loss, **fsdp)
+        actor.init(args.spec, args.loss, args.fsdp, role=role)
     get_device_info.cache_clear()
 
 
@@ -289,29 +296,28 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
 def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    args = make_args(checkpoint, use_rollout_logprobs=True)
-    args.save = str(save_dir)
+    args = make_args(checkpoint, use_rollout_logprobs=True).with_paths(save=str(save_dir))
     actor, start = make_actor(rank, 2, args)
     batch = make_batch(SAMPLES)
     batch["rollout_log_probs"] = [[-1.0] * r for r in batch["response_lengths"]]
     actor.train(0, local_shard(batch, rank, 2))
     actor.save_model(0)
-    saved = full_params(actor.model)
+    saved = full_params(actor.engine.model)
 
     actor.sleep()
     with pytest.raises(RuntimeError, match="wake_up"):
         actor.train(1, local_shard(batch, rank, 2))
     actor.wake_up()
-    asleep_kept = all(torch.equal(saved[n], p) for n, p in full_params(actor.model).items())
+    asleep_kept = all(torch.equal(saved[n], p) for n, p in full_params(actor.engine.model).items())
     actor.train(1, local_shard(batch, rank, 2))  # moves away from the checkpoint
     with pytest.raises(TypeError, match="RolloutBatch"):
         actor.train(2, [batch])
     with pytest.raises(ValueError, match="--global-batch-size"):
         actor.train(2, local_shard(make_batch(6), rank, 2))
 
-    args.load = str(save_dir)
-    resumed, resumed_start = make_actor(rank, 2, args)
-    restored = all(torch.equal(saved[n], p) for n, p in full_params(resumed.model).items())
+    resumed, resumed_start = make_actor(rank, 2, args.with_paths(load=str(save_dir)))
+    model = resumed.engine.model
+    restored = all(torch.equal(saved[n], p) for n, p in full_params(model).items())
     resumed.export_hf(export_dir)
     exported = {}
     if rank == 0:
@@ -325,7 +331,7 @@ def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -
         "weight_version": resumed.weight_version,
         "export_matches": all(torch.equal(saved[n], exported[n]) for n in exported)
         and len(exported) == len(saved),
-        "tied": resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     }
 
 

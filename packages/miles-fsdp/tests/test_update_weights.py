@@ -1,10 +1,12 @@
 """Weight sync from FSDP ranks to a real reference engine on loopback: after an update the
-engine's log-probs on a fixed sequence equal the trainer's (the step-0 check of DESIGN §3.4),
-through shared memory (colocated) and through a gloo broadcast group (disaggregated)."""
+engine's log-probs on a fixed sequence equal the trainer's (the step-0 check, architecture.md:
+"The loop"), through shared memory (colocated) and through a gloo broadcast group
+(disaggregated)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -71,14 +73,15 @@ def engine_vs_trainer(actor, url: str, rank: int) -> dict:
     tokens = PROMPT + output
     batch = {"tokens": [tokens], "response_lengths": [len(output)],
              "total_lengths": [len(tokens)], "loss_masks": [[1] * len(output)]}  # fmt: skip
-    trainer = actor._forward_log_probs(actor.model, batch)[0]
+    trainer = actor.trainer.log_probs(batch)[0]
     engine = torch.tensor([item[0] for item in meta["output_token_logprobs"]])
     return {"diff": float((trainer - engine).abs().max()), "version": meta["weight_version"]}
 
 
 def _push_both_ways(rank: int, checkpoint: Path, url: str) -> dict:
     args = make_args(checkpoint, update_weight_buffer_size=BUFFER_BYTES)
-    args.engine_urls, args.rollout_temperature = [url], 1.0  # greedy log-probs are at T = 1
+    # Greedy log-probs are at T = 1.
+    args = args.with_paths(engine_urls=(url,), rollout_temperature=1.0)
     actor, _ = make_actor(rank, 2, args)
     if rank == 0:
         wait_healthy(url)
@@ -87,7 +90,7 @@ def _push_both_ways(rank: int, checkpoint: Path, url: str) -> dict:
     results["tensor"] = engine_vs_trainer(actor, url, rank)
     actor.train(0, local_shard(make_batch(), rank, 2))  # new weights for the second transport
     actor.close()
-    actor.args.colocate = False
+    actor.spec = dataclasses.replace(actor.spec, colocate=False)
     actor.update_weights()  # disaggregated: broadcast over gloo
     results["distributed"] = engine_vs_trainer(actor, url, rank)
     actor.close()

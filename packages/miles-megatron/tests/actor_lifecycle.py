@@ -3,8 +3,8 @@ reference, state snapshots, and a reference engine to push weights to."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import torch
@@ -18,18 +18,36 @@ TEMPERATURE = 0.8
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the byte tokenizer
 
 
-def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> SimpleNamespace:
-    """The namespace MegatronTrainRayActor.init reads; `megatron` overrides MegatronArgs fields."""
+@dataclasses.dataclass
+class InitArgs:
+    """What MegatronTrainRayActor.init takes: the run spec, the loss config, the backend's args."""
+
+    spec: object
+    loss: object
+    megatron: object
+
+    def init(self, actor) -> int:
+        return actor.init(self.spec, self.loss, self.megatron)
+
+
+def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> InitArgs:
+    """`megatron` overrides MegatronArgs fields."""
     from miles.backends.megatron_utils.arguments import MegatronArgs
     from miles.backends.training_utils.loss_config import LossConfig
+    from miles.ray import TrainRunSpec
 
     settings = {"lr": 1e-3, "seed": 0, **megatron}
-    return SimpleNamespace(
-        hf_checkpoint=str(checkpoint), megatron=MegatronArgs(**settings), loss=LossConfig(),
-        rollout_temperature=TEMPERATURE, global_batch_size=GLOBAL_BATCH, n_samples_per_prompt=4,
-        num_rollout=4, rollout_batch_size=2, save=str(save_dir), load=str(save_dir),
-        engine_urls=[], colocate=True,
+    spec = TrainRunSpec(
+        hf_checkpoint=str(checkpoint), rollout_temperature=TEMPERATURE,
+        global_batch_size=GLOBAL_BATCH, num_rollout=4, num_steps_per_rollout=2,
+        save=str(save_dir), load=str(save_dir), colocate=True,
     )  # fmt: skip
+    return InitArgs(spec=spec, loss=LossConfig(), megatron=MegatronArgs(**settings))
+
+
+def point_at_engine(actor, url: str, *, colocate: bool = True) -> None:
+    """Make the initialized `actor` push its weights to the engine at `url`."""
+    actor.spec = dataclasses.replace(actor.spec, engine_urls=(url,), colocate=colocate)
 
 
 def make_batch(seed: int, num_samples: int = 2 * GLOBAL_BATCH) -> dict[str, list]:
@@ -59,9 +77,11 @@ def with_rollout_log_probs(model_dir: Path, batch: dict, device: torch.device) -
 def snapshot(actor) -> dict[str, torch.Tensor]:
     """Parameters, master weights and Adam state, cloned to the CPU, keyed by position."""
     state = {
-        f"param/{n}": p.detach().cpu().clone() for n, p in actor.model.module.named_parameters()
+        f"param/{n}": p.detach().cpu().clone()
+        for n, p in actor.engine.model.module.named_parameters()
     }
-    for i, part in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
+    optimizer = actor.engine.optimizer
+    for i, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
         inner = part.optimizer
         for j, group in enumerate(inner.param_groups):
             for k, main in enumerate(group["params"]):
@@ -107,10 +127,10 @@ def engine_vs_trainer(actor, url: str) -> dict:
     tokens = PROMPT + output
     batch = {"tokens": [tokens], "response_lengths": [len(output)],
              "total_lengths": [len(tokens)], "loss_masks": [[1] * len(output)]}  # fmt: skip
-    saved, actor.forward.temperature = actor.forward.temperature, 1.0
+    saved, actor.engine.forward.temperature = actor.engine.forward.temperature, 1.0
     try:
-        trainer = actor._forward_log_probs(actor.model, batch)[0].float().cpu()
+        trainer = actor.trainer.log_probs(batch)[0].float().cpu()
     finally:
-        actor.forward.temperature = saved
+        actor.engine.forward.temperature = saved
     engine = torch.tensor([item[0] for item in meta["output_token_logprobs"]])
     return {"diff": float((trainer - engine).abs().max()), "version": meta["weight_version"]}

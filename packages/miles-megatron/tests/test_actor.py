@@ -19,6 +19,7 @@ from .actor_lifecycle import (
     make_args,
     make_batch,
     max_difference,
+    point_at_engine,
     reference_engine,
     snapshot,
     weights_of,
@@ -41,7 +42,7 @@ def _actor(rank: int, checkpoint: Path, save_dir: Path, layout: dict):
     actor_module.require_gpu = lambda: None  # the backend refuses CPU machines; the shim is why
     actor = actor_module.MegatronTrainRayActor(rank, WORLD, "127.0.0.1", free_port())
     args = make_args(checkpoint, save_dir, **SETTINGS, **layout)
-    start = actor.init(args, "actor", with_ref=False)
+    start = args.init(actor)
     return actor, start
 
 
@@ -71,18 +72,20 @@ def _life(rank: int, checkpoint: Path, save_dir: Path, layout: dict, url: str) -
         with_rollout_log_probs(save_dir / "export", make_batch(seed=2), CPU)
     )
 
-    actor.args.engine_urls = [url]
+    point_at_engine(actor, url)
     out["engine_before"] = engine_vs_trainer(actor, url)
     awake = snapshot(actor)
     actor.sleep()
-    out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.model.module.parameters())
+    out["freed"] = all(
+        p.untyped_storage().nbytes() == 0 for p in actor.engine.model.module.parameters()
+    )
     try:
         actor.save_model(1)
     except RuntimeError as error:
         out["save_while_asleep"] = str(error)
     actor.update_weights()  # colocated: shared memory, from the sleeping trainer
     out["freed_after_send"] = all(
-        p.untyped_storage().nbytes() == 0 for p in actor.model.module.parameters()
+        p.untyped_storage().nbytes() == 0 for p in actor.engine.model.module.parameters()
     )
     actor.wake_up()
     out["wake_error"] = max_difference(awake, snapshot(actor))
@@ -90,7 +93,7 @@ def _life(rank: int, checkpoint: Path, save_dir: Path, layout: dict, url: str) -
 
     out["trains_after_wake"] = actor.train(2, make_batch(seed=3))
     actor.close()
-    actor.args.colocate = False
+    point_at_engine(actor, url, colocate=False)
     actor.update_weights()  # disaggregated: a broadcast group to the engine
     out["engine_after_distributed"] = engine_vs_trainer(actor, url)
     actor.close()

@@ -18,6 +18,7 @@ from .actor_lifecycle import (
     make_args,
     make_batch,
     max_difference,
+    point_at_engine,
     reference_engine,
     snapshot,
     weights_of,
@@ -47,7 +48,7 @@ def life(tmp_path_factory) -> dict:
     checkpoint = build_tiny_checkpoint(tmp / "hf", seed=0)
     args = make_args(checkpoint, tmp / "save", params_dtype="bfloat16")
     actor = MegatronTrainRayActor(0, 1, "127.0.0.1", free_port())
-    out: dict = {"start": actor.init(args, "actor", with_ref=False)}
+    out: dict = {"start": args.init(actor)}
     try:
         first = with_rollout_log_probs(checkpoint, make_batch(seed=0), CUDA)
         out["gap_at_start"] = actor.logprob_gap(first)
@@ -71,7 +72,7 @@ def life(tmp_path_factory) -> dict:
 
         engine_checkpoint = build_tiny_checkpoint(tmp / "engine", seed=1)  # other weights
         with reference_engine(engine_checkpoint, "cuda") as url:
-            actor.args.engine_urls = [url]
+            point_at_engine(actor, url)
             out["engine_gap_before"] = engine_vs_trainer(actor, url)["diff"]
             awake = snapshot(actor)
             allocated = torch.cuda.memory_allocated()
@@ -79,12 +80,12 @@ def life(tmp_path_factory) -> dict:
             # Allocated, not reserved: a tiny model's tensors share the allocator's small-block
             # segments with live tensors, so only a real model's buffers give whole segments back.
             out["freed"] = allocated - torch.cuda.memory_allocated()
-            out["offloaded_bytes"] = actor._offloader.nbytes
+            out["offloaded_bytes"] = actor.engine._offloader.nbytes
             with pytest.raises(RuntimeError, match="while the trainer sleeps"):
                 actor.save_model(1)
             actor.update_weights()  # colocated: CUDA IPC, from the sleeping trainer
             out["params_freed_after_send"] = all(
-                p.untyped_storage().nbytes() == 0 for p in actor.model.module.parameters()
+                p.untyped_storage().nbytes() == 0 for p in actor.engine.model.module.parameters()
             )
             actor.wake_up()
             out["wake_error"] = max_difference(awake, snapshot(actor))

@@ -42,14 +42,16 @@ def test_context_parallel_padding_rounds_the_width_up_to_twice_the_ranks():
 
 
 def test_the_actor_refuses_a_machine_without_gpus(tmp_path):
-    from types import SimpleNamespace
-
     from miles.backends.megatron_utils.actor import MegatronTrainRayActor
+    from miles.ray import TrainRunSpec
 
     actor = MegatronTrainRayActor(0, 1, "127.0.0.1", 29500)
-    args = SimpleNamespace(megatron=MegatronArgs(), loss=LossConfig(), engine_urls=[])
+    spec = TrainRunSpec(
+        hf_checkpoint=str(tmp_path), rollout_temperature=1.0, global_batch_size=1,
+        num_rollout=1, num_steps_per_rollout=1,
+    )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"needs NVIDIA or AMD GPUs.*--train-backend fsdp"):
-        actor.init(args, "actor", with_ref=False)
+        actor.init(spec, LossConfig(), MegatronArgs())
 
 
 def test_miles_train_takes_the_megatron_flags():
@@ -62,7 +64,6 @@ def test_miles_train_takes_the_megatron_flags():
     ])  # fmt: skip
     assert isinstance(config.backend, MegatronArgs)
     assert config.backend.tensor_model_parallel_size == 2
-    assert config.actor_args().megatron is config.backend
 
 
 def test_the_rollout_is_split_per_model_replica_not_per_rank():

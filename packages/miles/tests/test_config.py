@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -119,9 +120,38 @@ def test_backend_settings_come_from_the_backend_wheel():
     config = load("--lr", "3e-5", "--gradient-checkpointing")
     assert type(config.backend).__name__ == "FSDPArgs"
     assert config.backend.lr == 3e-5
-    args = config.actor_args()
-    assert args.fsdp is config.backend and args.loss is config.algorithm
-    assert args.hf_checkpoint == "ckpt" and args.global_batch_size == 4
+
+
+def test_the_train_ranks_get_a_typed_run_spec():
+    from miles.ray.train_actor import TrainRunSpec
+
+    config = load("--num-steps-per-rollout", "2")
+    spec = TrainRunSpec.from_config(config, num_rollout=3, engine_urls=["http://127.0.0.1:1"])
+    assert spec.hf_checkpoint == "ckpt" and spec.global_batch_size == 2
+    assert spec.total_optimizer_steps == 6 and spec.engine_urls == ("http://127.0.0.1:1",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.colocate = True  # type: ignore[misc]
+
+
+def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_actor():
+    import subprocess
+    import sys
+
+    program = "\n".join([
+        "import contextlib, io, sys",
+        "from miles.config import load_config",
+        "load_config(['--hf-checkpoint', 'c', '--prompt-data', 'd.jsonl',",
+        "             '--rollout-batch-size', '2'])",
+        "from miles.cli.main import main",
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):",
+        "    main(['train', '--help'])",
+        "heavy = ('miles.ray.train_actor', 'miles.backends.fsdp_utils.actor',",
+        "         'miles.backends.fsdp_utils.engine', 'torch.distributed.fsdp')",
+        "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m in heavy]",
+        "assert not bad, bad",
+    ])  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_missing_backend_wheel_names_the_wheel(monkeypatch):
@@ -181,6 +211,13 @@ def test_load_defaults_to_save_and_paths_become_absolute():
 def test_invalid_combinations_name_the_flags(flags, message):
     with pytest.raises((ValueError, ImportError), match=message):
         load(*flags)
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5"])
+def test_engine_startup_timeout_must_be_positive(timeout):
+    message = f"--engine-startup-timeout-s must be positive, got {timeout}"
+    with pytest.raises(ValueError, match=message):
+        load("--engine-startup-timeout-s", timeout)
 
 
 def test_help_has_a_section_per_group_and_explains_gpus_on_cpu(capsys):

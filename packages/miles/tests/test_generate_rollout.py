@@ -1,4 +1,4 @@
-"""generate_rollout against a real reference engine: batch shapes, finish statuses, the
+"""generate_groups against a real reference engine: batch shapes, finish statuses, the
 concurrency bound, dynamic filtering with over-sampling, partial rollouts that resume, custom
 generate functions, and the configuration errors."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from miles.backends.sglang_utils.client import EngineClient, EngineError
+from miles.backends.training_utils.import_path import ImportPathError
 from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_rollout
-from miles.utils.import_path import ImportPathError
+from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 
 EOS = 256  # the tiny checkpoint's <|endoftext|>
 VOCAB = 259
@@ -81,11 +81,11 @@ async def reward_by_position(groups: list[list[Sample]]) -> None:
 def rollout(
     urls: list[str], source: ListDataSource, config: RolloutConfig, make_pool=EnginePool
 ) -> RolloutOutput:
-    """One generate_rollout on `make_pool(urls)`, which is closed afterwards."""
+    """One generate_groups on `make_pool(urls)`, which is closed afterwards."""
 
     async def run():
         async with make_pool(urls) as pool:
-            output = await generate_rollout(pool, source, reward_by_position, config, rollout_id=0)
+            output = await generate_groups(pool, source, reward_by_position, config, rollout_id=0)
             assert set(pool.in_flight().values()) == {0}
             return output
 
@@ -299,7 +299,7 @@ def test_an_engine_error_fails_the_rollout_and_leaves_nothing_in_flight(engine_u
         async with EnginePool([engine_url]) as pool:
             config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
             with pytest.raises(EngineError, match="vocab size"):
-                await generate_rollout(
+                await generate_groups(
                     pool, BadPrompts(n=2), reward_by_position, config, rollout_id=3
                 )
             return pool.in_flight()
@@ -367,3 +367,20 @@ def test_a_filter_that_does_not_return_a_bool_is_an_error(engine_url):
 def test_config_errors_name_the_flag_and_the_value(fields, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**{"rollout_batch_size": 4, **fields})
+
+
+def test_the_built_in_rollout_is_the_default_of_the_rollout_function_flag():
+    import inspect
+
+    from miles.backends.training_utils.import_path import load_function
+    from miles.rollout.generate import generate_rollout
+    from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
+    from miles.rollout.sft_rollout import sft_rollout
+
+    default = RolloutConfig(rollout_batch_size=1).rollout_function_path
+    assert load_function(default, ROLLOUT_FUNCTION_FLAG) is generate_rollout
+    # One contract: the built-in and a custom one take the same keywords.
+    keywords = {"pool", "data_source", "score_groups", "config"}
+    for fn in (generate_rollout, sft_rollout):
+        first, *rest = inspect.signature(fn).parameters
+        assert first == "rollout_id" and set(rest) == keywords

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.utils.import_path import ImportPathError, load_function, split_import_path
+from miles.backends.training_utils.import_path import (
+    ImportPathError,
+    load_function,
+    split_import_path,
+)
 
 FLAG = "--some-function-path"
 

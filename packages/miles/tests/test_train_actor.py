@@ -13,29 +13,11 @@ from miles.ray import TrainRayActor
 
 
 class _EchoActor(TrainRayActor):
-    """The smallest complete backend: records calls, trains nothing."""
+    """A backend whose engine is never built: these tests exercise the constructor and the
+    process-group set-up, which come before any engine."""
 
-    def init(self, args, role, with_ref):
-        self.setup_distributed(timeout_s=60)
-        return 0
-
-    def train(self, rollout_id, data_ref):
-        return {"rollout_id": rollout_id}
-
-    def save_model(self, rollout_id):
-        pass
-
-    def update_weights(self):
-        pass
-
-    def sleep(self):
-        pass
-
-    def wake_up(self):
-        pass
-
-    def export_hf(self, path):
-        pass
+    def build_engine(self, spec, backend, *, device, with_ref):
+        raise NotImplementedError("not part of these tests")
 
 
 def _free_port() -> int:
@@ -51,7 +33,8 @@ def _join_and_all_reduce(rank: int, world_size: int, port: int, queue) -> None:
     os.environ["MILES_DEVICE"] = "cpu"
     try:
         actor = _EchoActor(rank, world_size, "127.0.0.1", port)
-        start = actor.init(args=None, role="actor", with_ref=False)
+        actor.setup_distributed(timeout_s=60)
+        start = actor.data_parallel_rank() - rank  # before init: every rank its own replica
         actor.setup_distributed(timeout_s=60)  # a second call keeps the group
         value = torch.tensor([float(rank + 1)])
         dist.all_reduce(value)
@@ -62,19 +45,22 @@ def _join_and_all_reduce(rank: int, world_size: int, port: int, queue) -> None:
         queue.put((rank, "error", repr(err), None, None))
 
 
-def test_a_backend_missing_a_contract_method_cannot_be_instantiated():
+def test_a_backend_without_an_engine_cannot_be_instantiated():
     class Partial(TrainRayActor):
-        def init(self, args, role, with_ref):
-            return 0
+        pass
 
     with pytest.raises(TypeError, match="abstract"):
         Partial(0, 1, "127.0.0.1", 29500)
 
 
-def test_the_contract_lists_exactly_the_design_methods():
-    assert TrainRayActor.__abstractmethods__ == {
-        "init", "train", "save_model", "update_weights", "sleep", "wake_up", "export_hf",
-    }  # fmt: skip
+def test_a_backend_implements_only_the_engine_builder():
+    assert TrainRayActor.__abstractmethods__ == {"build_engine"}
+
+
+def test_calls_before_init_say_to_call_init():
+    actor = _EchoActor(0, 1, "127.0.0.1", 29500)
+    with pytest.raises(RuntimeError, match=r"call init\(\) first"):
+        actor.train(0, {"tokens": []})
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,14 @@ from miles.ray.train_group import RayTrainGroup
 
 
 class _PairedReplicaActor(TrainRayActor):
-    """A backend whose ranks come in pairs that split one replica (like tensor parallel 2)."""
+    """A backend whose ranks come in pairs that split one replica (like tensor parallel 2).
 
-    def init(self, args, role, with_ref):
+    It overrides the calls this test routes (init, train, logprob_gap) and builds no engine."""
+
+    def build_engine(self, spec, backend, *, device, with_ref):
+        raise NotImplementedError("not part of this test")
+
+    def init(self, spec, loss, backend, *, role="actor", with_ref=False):
         return 0
 
     def data_parallel_rank(self) -> int:
@@ -26,21 +31,6 @@ class _PairedReplicaActor(TrainRayActor):
 
     def logprob_gap(self, data_ref):
         return float(data_ref == "shard-0")
-
-    def save_model(self, rollout_id):
-        raise NotImplementedError("not part of this test")
-
-    def update_weights(self):
-        raise NotImplementedError("not part of this test")
-
-    def sleep(self):
-        raise NotImplementedError("not part of this test")
-
-    def wake_up(self):
-        raise NotImplementedError("not part of this test")
-
-    def export_hf(self, path):
-        raise NotImplementedError("not part of this test")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +47,7 @@ def group():
         cpus_per_bundle=0.5,
     )  # fmt: skip
     try:
-        assert train_group.init(args=None) == 0
+        assert train_group.init(None, None, None) == 0
         yield train_group
     finally:
         train_group.shutdown()

@@ -1,4 +1,4 @@
-"""`miles train`: the RL loop of DESIGN §4, synchronous or one step asynchronous.
+"""`miles train`: the RL loop (architecture.md: "The loop"), synchronous or one step asynchronous.
 
     generate -> (offload engines) -> train -> save? -> (offload trainer) -> update_weights -> eval?
 
@@ -27,41 +27,46 @@ def train(config: MilesConfig) -> dict[str, Any]:
 
 
 def train_sync(run: Run) -> dict[str, Any]:
-    config, metrics = run.config, {}
+    colocate, metrics = run.config.cluster.colocate, {}
     run.initial_weight_update()
-    run.maybe_eval(run.start_rollout_id, before_training=True)
+    run.evaluate_before_training()
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
         step_start = time.perf_counter()
-        data = run.generate(rollout_id)
-        if config.cluster.colocate:
+        rollout = run.generate(rollout_id)
+        if colocate:
             run.offload_engines()
-        run.check_weight_sync(rollout_id, data)
-        run.train(rollout_id, data)
-        run.maybe_save(rollout_id)
-        if config.cluster.colocate:
+        check = run.check_weight_sync(rollout)  # the first rollout only
+        trained = run.train(rollout)
+        saved = run.maybe_save(rollout_id)
+        if colocate:
             run.offload_trainer_and_onload_engines()
-        run.update_weights()
-        run.maybe_eval(rollout_id)
-        metrics = run.finish_rollout(rollout_id, time.perf_counter() - step_start)
+        updated = run.update_weights()
+        evaluated = run.maybe_eval(rollout_id)
+        step = {"time/step_s": time.perf_counter() - step_start}
+        merged = {**rollout.metrics, **check, **trained, **saved, **updated, **evaluated, **step}
+        metrics = run.finish_rollout(rollout_id, merged)
     return metrics
 
 
 def train_async(run: Run) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     run.initial_weight_update()
-    run.maybe_eval(run.start_rollout_id, before_training=True)
-    next_data = run.start_generate(run.start_rollout_id)
+    run.evaluate_before_training()
+    pending = run.start_generate(run.start_rollout_id)
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
         step_start = time.perf_counter()
-        data = run.wait_generate(next_data)
-        run.check_weight_sync(rollout_id, data)
-        next_data = run.start_generate(rollout_id + 1) if rollout_id + 1 < run.num_rollout else None
-        run.train(rollout_id, data)  # overlaps generation of rollout_id + 1
-        run.maybe_save(rollout_id)
-        if next_data is not None:
+        rollout = run.wait_generate(pending)
+        check = run.check_weight_sync(rollout)
+        last = rollout_id + 1 == run.num_rollout
+        pending = None if last else run.start_generate(rollout_id + 1)
+        trained = run.train(rollout)  # overlaps the generation of rollout_id + 1
+        saved = run.maybe_save(rollout_id)
+        if pending is not None:
             # The update waits for the generation in flight: weights never change mid-request.
-            next_data = run.wait_generate(next_data, ready=True)
-        run.update_weights()
-        run.maybe_eval(rollout_id)
-        metrics = run.finish_rollout(rollout_id, time.perf_counter() - step_start)
+            run.wait_generated(pending)
+        updated = run.update_weights()
+        evaluated = run.maybe_eval(rollout_id)
+        step = {"time/step_s": time.perf_counter() - step_start}
+        merged = {**rollout.metrics, **check, **trained, **saved, **updated, **evaluated, **step}
+        metrics = run.finish_rollout(rollout_id, merged)
     return metrics

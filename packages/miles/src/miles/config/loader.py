@@ -25,7 +25,7 @@ DEFAULT_BACKEND = ClusterConfig.train_backend
 
 def load_config(argv: Sequence[str] = ()) -> MilesConfig:
     """The validated configuration of `miles train ARGV...` (no `--help` handling)."""
-    # Every SGLang server flag passes through as --sglang-<flag> (DESIGN §3.2, the SGLang engine).
+    # Every SGLang server flag passes through as --sglang-<flag> (architecture.md: "Contracts / Rollout engine", the SGLang engine).
     sglang_flags, argv = sglang_args_from_cli(list(argv), miles_flags={"--sglang-server-args"})
     config_path = _peek_flag(argv, "--config")
     file_values = read_yaml(config_path) if config_path else {}

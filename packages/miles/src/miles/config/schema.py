@@ -1,9 +1,10 @@
 """The whole configuration of a run: every group, how they are merged, and the checks across them.
 
 Sources, later wins: dataclass defaults < the YAML file of `--config` < command-line flags. The
-training backend's group comes from the backend's wheel (`config_class` of the class registered under
-`miles.train_backends`), so its flags exist exactly when that backend is chosen. Values derived from
-others (the batch identity of DESIGN §3.3, the run length from epochs) are computed here and only here.
+training backend's group comes from the backend's wheel (the class registered under
+`miles.train_backend_args`; the actor is not imported), so its flags exist exactly when that backend
+is chosen. Values derived from others (the batch identity of architecture.md: "Contracts / Data",
+the run length from epochs) are computed here and only here. Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from miles.backends.training_utils.loss_config import LossConfig
@@ -25,11 +25,12 @@ from miles.config.groups import (
     TrainingConfig,
 )
 from miles.config.options import Option, dataclass_options
-from miles.ray.placement import plan_for_cluster
+from miles.config.trainer_args import TrainerArgs
+from miles.ray.placement_plan import plan_for_cluster
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.generate import RolloutConfig
 from miles.rollout.rewards import RewardConfig
-from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
+from miles.utils.plugins import TRAIN_BACKEND_ARGS, load_plugin
 
 CORE_GROUPS: dict[str, type] = {
     "cluster": ClusterConfig,
@@ -48,10 +49,15 @@ CORE_GROUPS: dict[str, type] = {
 BACKEND_GROUP = "backend"
 
 
-def backend_config_class(train_backend: str) -> type | None:
-    """The settings dataclass the backend's wheel contributes (None if it has none)."""
-    actor_class = load_plugin(TRAIN_BACKENDS, train_backend)
-    return getattr(actor_class, "config_class", None)
+def backend_config_class(train_backend: str) -> type[TrainerArgs]:
+    """The settings dataclass the backend's wheel registers (a `TrainerArgs` subclass)."""
+    config_class = load_plugin(TRAIN_BACKEND_ARGS, train_backend)
+    if not (isinstance(config_class, type) and issubclass(config_class, TrainerArgs)):
+        raise TypeError(
+            f"the {TRAIN_BACKEND_ARGS} entry point {train_backend!r} names {config_class!r}, "
+            "not a TrainerArgs subclass; the backend's wheel must register its settings class"
+        )
+    return config_class
 
 
 @dataclass
@@ -84,9 +90,8 @@ class Schema:
     @classmethod
     def for_backend(cls, train_backend: str | None) -> Schema:
         groups = dict(CORE_GROUPS)
-        backend_cls = backend_config_class(train_backend) if train_backend else None
-        if backend_cls is not None:
-            groups[BACKEND_GROUP] = backend_cls
+        if train_backend:
+            groups[BACKEND_GROUP] = backend_config_class(train_backend)
         return cls(groups)
 
     def unknown(self, name: str, where: str) -> ValueError:
@@ -113,14 +118,13 @@ class MilesConfig:
     checkpoint: CheckpointConfig
     eval: EvalConfig
     logging: LoggingConfig
-    backend: Any = None
-    """The backend's settings object (e.g. FSDPArgs); None for a backend without any."""
+    backend: TrainerArgs | None = None
+    """The backend's settings (e.g. FSDPArgs); None only for a schema without a backend."""
 
     @property
     def model_parallel_size(self) -> int:
-        """Train ranks one model replica takes: a backend that splits a replica over ranks
-        (tensor / pipeline / context parallelism) says how many via `model_parallel_size`."""
-        return int(getattr(self.backend, "model_parallel_size", 1))
+        """Train ranks one model replica takes (tensor x pipeline x context parallel sizes)."""
+        return 1 if self.backend is None else self.backend.model_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -165,15 +169,6 @@ class MilesConfig:
                 values.update(dataclasses.asdict(group))
         return values
 
-    def actor_args(self) -> SimpleNamespace:
-        """What a training backend's `init(args, ...)` reads: every setting by name, the loss
-        config as `loss`, and the backend's settings under the backend's name (`args.fsdp`)."""
-        args = SimpleNamespace(**self.flat())
-        args.loss = self.algorithm
-        args.backend = self.backend
-        setattr(args, self.cluster.train_backend, self.backend)
-        return args
-
     @property
     def ray_address(self) -> str | None:
         return self.cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -216,7 +211,7 @@ def _absolute_paths(config: MilesConfig) -> None:
 
 def _derive_batch_identity(config: MilesConfig) -> None:
     """rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout
-    (DESIGN §3.3); the missing side is derived, a given pair must agree."""
+    (architecture.md: "Contracts / Data"); the missing side is derived, a given pair must agree."""
     rollout, training = config.rollout, config.training
     samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
     where = (

@@ -67,6 +67,12 @@ class TrainerArgs:
         "update_weight_buffer_size": 1,
     }
 
+    @property
+    def model_parallel_size(self) -> int:
+        """Train ranks one model replica takes; a backend that splits a replica over ranks
+        (tensor / pipeline / context parallelism) overrides this."""
+        return 1
+
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_ranges()

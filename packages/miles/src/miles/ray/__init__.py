@@ -1,18 +1,31 @@
 """Ray-facing pieces of miles core: the train-actor contract every training backend implements.
 
-Example, a backend's actor class::
+Example, a backend's actor class (the RL step and the life cycle are `TrainRayActor`'s)::
 
-    from miles.ray import TrainRayActor
+    from miles.ray import TrainRayActor, TrainRunSpec
 
     class MyTrainActor(TrainRayActor):
-        def init(self, args, role, with_ref):
-            self.setup_distributed()  # rank 0 is the master
-            ...
-            return 0  # the rollout id to start from
+        backend_name = "mine"
 
-Nothing here imports Ray or a backend: the train loop wraps these classes in Ray actors.
+        def build_engine(self, spec: TrainRunSpec, backend, *, device, with_ref):
+            return MyEngine(backend, spec, device=device, with_ref=with_ref)
+
+Nothing here imports Ray or a backend: the train loop wraps these classes in Ray actors. The
+re-exports resolve on first use, so the configuration can read `miles.ray.placement_plan`
+without importing the train-actor machinery.
 """
 
-from miles.ray.train_actor import ROLES, Role, TrainRayActor
+import importlib
+from typing import Any
 
-__all__ = ["ROLES", "Role", "TrainRayActor"]
+_EXPORTS = {
+    name: "miles.ray.train_actor" for name in ("ROLES", "Role", "TrainRayActor", "TrainRunSpec")
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

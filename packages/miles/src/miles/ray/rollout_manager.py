@@ -21,22 +21,21 @@ from transformers import AutoTokenizer
 
 import ray
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
+from miles.backends.training_utils.import_path import load_function
 from miles.config.schema import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
+from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import RolloutConfig, generate_rollout
+from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 from miles.rollout.rewards import RewardHub
+from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
 from miles.rollout.train_data import build_train_data, eval_metrics, rollout_metrics
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
-from miles.utils.import_path import load_function
 from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
 
 logger = logging.getLogger(__name__)
-
-# Share of a colocated bundle the engine takes; the train actor takes the rest.
-COLOCATED_ENGINE_SHARE = 0.4
 
 
 def resolve_engine(choice: str, has_gpus: bool) -> str:
@@ -102,10 +101,9 @@ class RolloutManager:
         self.dataset_size = len(dataset)
         self.eval_sources = self._eval_sources(tokenizer)
         self.reward_hub = RewardHub(config.reward)
-        self.custom_rollout = (
-            load_function(config.rollout.rollout_function_path, "--rollout-function-path")
-            if config.rollout.rollout_function_path
-            else None
+        # The built-in rollout is this flag's default: it is loaded and called like a custom one.
+        self.rollout_function = load_function(
+            config.rollout.rollout_function_path, ROLLOUT_FUNCTION_FLAG
         )
         self.engine_actors: list[Any] = []
         self.engine_urls: list[str] = []
@@ -205,16 +203,18 @@ class RolloutManager:
 
     async def _rollout(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
         assert self.pool is not None, "start_engines() before generate()"
-        if self.custom_rollout is not None:
-            result = self.custom_rollout(
-                rollout_id, pool=self.pool, data_source=self.data_source, config=self.config
-            )
-            groups = await result if asyncio.iscoroutine(result) else result
-            return groups, {}
-        output = await generate_rollout(
-            self.pool, self.data_source, self._score, self.config.rollout, rollout_id=rollout_id
+        result = self.rollout_function(
+            rollout_id,
+            pool=self.pool,
+            data_source=self.data_source,
+            score_groups=self._score,
+            config=self.config,
         )
-        return output.groups, dict(output.metrics)
+        if asyncio.iscoroutine(result):
+            result = await result
+        if isinstance(result, RolloutOutput):
+            return result.groups, dict(result.metrics)
+        return result, {}
 
     async def _score(self, groups: list[list[Any]]) -> Any:
         report = await self.reward_hub.score_groups(groups)
@@ -236,7 +236,7 @@ class RolloutManager:
             # A fresh source per evaluation: every prompt once, in file order.
             source = RolloutDataSource(dataset, data_config)
             eval_config = self._eval_rollout_config(len(dataset))
-            output = await generate_rollout(
+            output = await generate_groups(
                 self.pool, source, self.reward_hub.score_groups, eval_config, rollout_id=rollout_id
             )
             metrics.update(eval_metrics(output.groups, name))

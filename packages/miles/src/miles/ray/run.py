@@ -11,16 +11,25 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import ray
+from miles.backends.training_utils.algorithms import loss_spec
 from miles.config.schema import MilesConfig
 from miles.ray.cluster import init_ray
 from miles.ray.placement import Placement, create_placement, plan_for_cluster, remove_placement
 from miles.ray.rollout_manager import RolloutManager
+from miles.ray.rollout_source import (
+    EngineRollouts,
+    PendingRollout,
+    ReplayedRollouts,
+    Rollout,
+    RolloutSource,
+    save_rollout,
+)
+from miles.ray.train_actor import TrainRunSpec
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
 from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
@@ -36,15 +45,21 @@ class WeightSyncMismatchError(RuntimeError):
 class Run:
     def __init__(self, config: MilesConfig):
         self.config = config
-        self.timings: dict[str, float] = {}
         self.placement: Placement | None = None
         self.rollout_manager: Any = None
+        self.rollouts: RolloutSource | None = None
+        self.engine_urls: list[str] = []
         self.trainers: RayTrainGroup | None = None
         self.tracker: Tracker | None = None
         self.console: ConsoleView | None = None
         self.start_rollout_id = 0
         self.num_rollout = 0
-        self._weight_sync_checked = False
+        # The step-0 check compares with the engine's log-probs: a loss on given data (SFT) has
+        # none to compare with, and a run without engines (replayed rollouts) nothing to check.
+        self._weight_sync_to_check = (
+            config.training.check_weight_sync_tolerance is not None
+            and loss_spec(config.algorithm).on_policy
+        )
 
     # -- set-up and tear-down ------------------------------------------------------------------
 
@@ -67,10 +82,13 @@ class Run:
         self.rollout_manager = manager_class.remote(config, self.placement, dp_size=dp_size)
         dataset_size = ray.get(self.rollout_manager.get_dataset_size.remote())
         self.num_rollout = config.resolve_num_rollout(dataset_size)
-        if not training.debug_train_only:
-            engine_urls = ray.get(self.rollout_manager.start_engines.remote())
+        if training.debug_train_only:
+            assert training.load_debug_rollout_data, "checked by TrainingConfig"
+            self.rollouts = ReplayedRollouts(training.load_debug_rollout_data, dp_size=dp_size)
         else:
-            engine_urls = []
+            self.engine_urls = ray.get(self.rollout_manager.start_engines.remote())
+            self.rollouts = EngineRollouts(self.rollout_manager)
+        engine_urls = self.engine_urls
         # Colocated engines took the shared devices when they started: they free them while the
         # trainer builds its model and optimizer, and get them back (the trainer asleep) before
         # the first weight update and generation.
@@ -86,10 +104,11 @@ class Run:
                 has_gpus=has_gpus,
                 cpus_per_bundle=cluster.cpus_per_bundle,
             )
-            args = config.actor_args()
-            args.engine_urls = engine_urls
-            args.num_rollout = self.num_rollout
-            self.start_rollout_id = self.trainers.init(args, "actor", with_ref=False)
+            spec = TrainRunSpec.from_config(
+                config, num_rollout=self.num_rollout, engine_urls=engine_urls
+            )
+            assert config.backend is not None, "the schema adds the chosen backend's group"
+            self.start_rollout_id = self.trainers.init(spec, config.algorithm, config.backend)
             if self.trainers.dp_size != dp_size:
                 raise RuntimeError(
                     f"the {cluster.train_backend} backend formed {self.trainers.dp_size} "
@@ -158,123 +177,86 @@ class Run:
             self.tracker = None
 
     # -- the steps of the loop ------------------------------------------------------------------
+    # Each step returns what it measured; the loop merges them into the rollout's record.
 
     def _phase(self, name: str, rollout_id: int | None = None) -> None:
         if self.console is not None:
             self.console.update(name, rollout_id)
 
-    def _timed(self, key: str, start: float) -> None:
-        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
-
     def initial_weight_update(self) -> None:
         """Engines start from --hf-checkpoint; a resumed trainer holds newer weights, and the
         first update also sets every engine's weight version to the trainer's."""
-        if self.trainers is not None and not self.config.training.debug_train_only:
+        if self.trainers is not None and self.engine_urls:
             self._phase("initial weight update")
             self.update_weights()
 
-    def generate(self, rollout_id: int) -> list[ray.ObjectRef]:
+    def generate(self, rollout_id: int) -> Rollout:
         return self.wait_generate(self.start_generate(rollout_id))
 
-    def start_generate(self, rollout_id: int) -> tuple[int, Any, float]:
+    def start_generate(self, rollout_id: int) -> PendingRollout:
         self._phase("generate", rollout_id)
-        if self.config.training.debug_train_only:
-            return rollout_id, None, time.perf_counter()
-        return rollout_id, self.rollout_manager.generate.remote(rollout_id), time.perf_counter()
+        assert self.rollouts is not None, "entered Run"
+        return self.rollouts.start(rollout_id)
 
-    def wait_generate(self, pending: Any, *, ready: bool = False) -> Any:
-        """The train data of a started generation (as ObjectRefs, one per DP rank).
-
-        With `ready=True` only waits for it and returns it unchanged (async mode's barrier
-        before a weight update)."""
-        rollout_id, call, start = pending
-        if ready:
-            ray.wait([call]) if call is not None else None
-            return pending
-        if call is None:
-            data = self._load_debug_rollout(rollout_id)
-            self.rollout_metrics = {}
-        else:
-            result = ray.get(call)
-            data, self.rollout_metrics = result["data"], result["metrics"]
-        self._timed("time/generate_s", start)
+    def wait_generate(self, pending: PendingRollout) -> Rollout:
+        """The train data of a started generation (one ObjectRef per data-parallel replica)."""
+        assert self.rollouts is not None, "entered Run"
+        rollout = self.rollouts.wait(pending)
         if self.config.training.save_debug_rollout_data:
-            self._save_debug_rollout(rollout_id, data)
-        return data
+            save_rollout(self.config.training.save_debug_rollout_data, rollout)
+        return rollout
 
-    def _save_debug_rollout(self, rollout_id: int, data: list[ray.ObjectRef]) -> None:
-        path = Path(self.config.training.save_debug_rollout_data.format(rollout_id=rollout_id))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"rollout_id": rollout_id, "shards": ray.get(list(data))}, path)
+    def wait_generated(self, pending: PendingRollout) -> None:
+        """Block until a started generation is done (async mode's barrier before an update)."""
+        assert self.rollouts is not None, "entered Run"
+        self.rollouts.wait_done(pending)
 
-    def _load_debug_rollout(self, rollout_id: int) -> list[ray.ObjectRef]:
-        pattern = self.config.training.load_debug_rollout_data
-        path = Path(pattern.format(rollout_id=rollout_id))
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"--debug-train-only: no saved rollout {rollout_id} at {path} (from "
-                f"--load-debug-rollout-data {pattern}); save rollouts first with "
-                "--save-debug-rollout-data"
-            )
-        shards = torch.load(path, weights_only=False)["shards"]
-        dp_size = self.config.cluster.actor_world_size
-        if len(shards) != dp_size:
-            raise ValueError(
-                f"{path} holds {len(shards)} data-parallel shards but this run trains on "
-                f"{dp_size} ranks; replay with the same --actor-num-nodes x "
-                "--actor-num-gpus-per-node as the run that saved it"
-            )
-        return [ray.put(shard) for shard in shards]
-
-    def check_weight_sync(self, rollout_id: int, data: list[ray.ObjectRef]) -> None:
-        """Step-0 check (DESIGN §3.4): after the first update, the trainer's log-probs of the
-        first rollout must match the engine's."""
+    def check_weight_sync(self, rollout: Rollout) -> dict[str, float]:
+        """Step-0 check (architecture.md: "The loop"): after the first update, the trainer's
+        log-probs of the first rollout must match the engine's."""
+        if not self._weight_sync_to_check or self.trainers is None or not self.engine_urls:
+            return {}
+        self._weight_sync_to_check = False
         tolerance = self.config.training.check_weight_sync_tolerance
-        if self._weight_sync_checked or self.trainers is None or tolerance is None:
-            return
-        if self.config.training.debug_train_only or self.config.algorithm.loss_type == "sft_loss":
-            return  # replayed or supervised data: no engine log-probs to compare with
-        self._weight_sync_checked = True
-        gap = self.trainers.logprob_gap(data)
-        self.rollout_metrics["check/logprob_abs_diff"] = gap
+        assert tolerance is not None
+        gap = self.trainers.logprob_gap(rollout.data)
         logger.info("step-0 check: mean |trainer - engine| log-prob = %.3g", gap)
         if gap > tolerance:
             raise WeightSyncMismatchError(
-                f"after the weight update of rollout {rollout_id}, trainer and engine log-probs "
-                f"differ by {gap:.4g} per token on average (tolerance "
+                f"after the weight update of rollout {rollout.rollout_id}, trainer and engine "
+                f"log-probs differ by {gap:.4g} per token on average (tolerance "
                 f"--check-weight-sync-tolerance {tolerance}): the engine is not running the "
                 "trained weights (check the weight-sync path, dtype and --rollout-temperature)"
             )
+        return {"check/logprob_abs_diff": gap}
 
-    def train(self, rollout_id: int, data: list[ray.ObjectRef]) -> None:
-        self.train_metrics: dict[str, float] = {}
+    def train(self, rollout: Rollout) -> dict[str, float]:
+        """This rollout's optimizer steps; the last step's metrics and the time taken."""
         if self.trainers is None:
-            return
-        self._phase("train", rollout_id)
+            return {}
+        self._phase("train", rollout.rollout_id)
         start = time.perf_counter()
-        steps = self.trainers.train(rollout_id, data)
-        self._timed("time/train_s", start)
-        if steps:
-            last = steps[-1]
-            self.train_metrics = {
-                (k if "/" in k else f"train/{k}"): v
-                for k, v in last.items()
-                if isinstance(v, int | float)
-            }
+        steps = self.trainers.train(rollout.rollout_id, rollout.data)
+        metrics = {
+            (k if "/" in k else f"train/{k}"): v
+            for k, v in (steps[-1] if steps else {}).items()
+            if isinstance(v, int | float)
+        }
+        return {**metrics, "time/train_s": time.perf_counter() - start}
 
-    def maybe_save(self, rollout_id: int) -> None:
+    def maybe_save(self, rollout_id: int) -> dict[str, float]:
         checkpoint = self.config.checkpoint
         last = rollout_id + 1 == self.num_rollout
         if not checkpoint.save or self.trainers is None:
-            return
+            return {}
         if not last and not (checkpoint.save_interval and (rollout_id + 1) % checkpoint.save_interval == 0):  # fmt: skip
-            return
+            return {}
         self._phase("save", rollout_id)
         start = time.perf_counter()
         # The rollout state first: the trainer's save writes the pointer that completes it.
         ray.get(self.rollout_manager.save.remote(rollout_id))
         self.trainers.save_model(rollout_id)
-        self._timed("time/save_s", start)
+        return {"time/save_s": time.perf_counter() - start}
 
     def offload_engines(self) -> None:
         self._phase("offload engines")
@@ -287,51 +269,44 @@ class Run:
             self.trainers.sleep()
         ray.get(self.rollout_manager.onload.remote())
 
-    def update_weights(self) -> None:
-        if self.trainers is None or self.config.training.debug_train_only:
-            return
+    def update_weights(self) -> dict[str, float]:
+        if self.trainers is None or not self.engine_urls:
+            return {}
         self._phase("update weights")
         start = time.perf_counter()
         self.trainers.update_weights()
-        self._timed("time/update_weights_s", start)
+        return {"time/update_weights_s": time.perf_counter() - start}
 
-    def maybe_eval(self, rollout_id: int, *, before_training: bool = False) -> None:
-        """Evaluate before the first rollout, every --eval-interval rollouts and after the last."""
-        self.eval_metrics: dict[str, float] = {}
-        eval_ = self.config.eval
-        if not eval_.eval_datasets or self.config.training.debug_train_only:
+    def evaluate_before_training(self) -> None:
+        """Evaluate the starting weights and log them as rollout -1 (not on resume: the run
+        already evaluated these weights after rollout start - 1)."""
+        if self.start_rollout_id > 0 or not self._can_evaluate():
             return
-        if before_training and self.start_rollout_id > 0:
-            return  # resumed: the run already evaluated these weights after rollout start - 1
-        done = rollout_id + 1
-        due = before_training or done == self.num_rollout
-        due = due or bool(eval_.eval_interval and done % eval_.eval_interval == 0)
-        if not due:
-            return
+        metrics = self._evaluate(self.start_rollout_id)
+        assert self.tracker is not None
+        self.tracker.log(metrics, step=self.start_rollout_id - 1)
+        if self.console is not None:
+            self.console.record(0, metrics)
+
+    def maybe_eval(self, rollout_id: int) -> dict[str, float]:
+        """Evaluate every --eval-interval rollouts and after the last."""
+        interval, done = self.config.eval.eval_interval, rollout_id + 1
+        due = done == self.num_rollout or bool(interval and done % interval == 0)
+        return self._evaluate(rollout_id) if due and self._can_evaluate() else {}
+
+    def _can_evaluate(self) -> bool:
+        return bool(self.config.eval.eval_datasets) and bool(self.engine_urls)
+
+    def _evaluate(self, rollout_id: int) -> dict[str, float]:
         self._phase("eval", rollout_id)
         metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))
         rewards = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if rewards:
             metrics["eval/reward_mean"] = sum(rewards) / len(rewards)
-        step = rollout_id - 1 if before_training else rollout_id
-        if before_training:
-            assert self.tracker is not None
-            self.tracker.log(metrics, step=step)
-            if self.console is not None:
-                self.console.record(max(step, 0), metrics)
-        else:
-            self.eval_metrics = metrics
+        return metrics
 
-    def finish_rollout(self, rollout_id: int, step_s: float) -> dict[str, Any]:
+    def finish_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Log everything measured for this rollout; returns it."""
-        metrics = {
-            **getattr(self, "rollout_metrics", {}),
-            **getattr(self, "train_metrics", {}),
-            **getattr(self, "eval_metrics", {}),
-            **self.timings,
-            "time/step_s": step_s,
-        }
-        self.timings = {}
         assert self.tracker is not None
         self.tracker.log(metrics, step=rollout_id)
         if self.console is not None:

@@ -1,8 +1,10 @@
-"""The training-backend contract (DESIGN §3.1): what every train actor class provides.
+"""The training-backend contract (architecture.md: "Contracts / Training backend"): `TrainRayActor`.
 
-A backend (FSDP, Megatron) subclasses `TrainRayActor`; the train loop wraps the class in a Ray actor
-and sends every rank of a group the same calls. Process-group set-up is shared here, with rank 0 as
-the master. This module imports neither Ray nor any backend, so core stays backend-free.
+A backend subclasses `TrainRayActor` and implements one method, `build_engine`, returning its
+`TrainEngine` (training_utils.train_engine). Everything else a rank does is here, once: the
+process group, the RL step (`PolicyTrainer`), resume, checkpoints, weight pushes to the engines,
+sleep / wake. The train loop wraps the class in a Ray actor and sends every rank the same calls.
+This module imports neither Ray nor any backend, so core stays backend-free.
 """
 
 from __future__ import annotations
@@ -11,12 +13,24 @@ import abc
 import datetime
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import torch
 import torch.distributed as dist
 
-from miles.backends.training_utils.device import dist_backend
+from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
+from miles.backends.training_utils.algorithms import Algorithm
+from miles.backends.training_utils.device import dist_backend, set_device
+from miles.backends.training_utils.loss_config import LossConfig
+from miles.backends.training_utils.rollout_data import RolloutBatch
+from miles.backends.training_utils.train_engine import TrainEngine
+from miles.backends.training_utils.trainer import PolicyTrainer
+from miles.config.trainer_args import TrainerArgs
+
+if TYPE_CHECKING:
+    from miles.config.schema import MilesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +41,63 @@ ROLES: tuple[str, ...] = ("actor", "critic")
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainRunSpec:
+    """What the loop knows that a training rank needs, besides the loss and the backend's args."""
+
+    hf_checkpoint: str
+    """The Hugging Face checkpoint the run starts from (also the tokenizer of HF exports)."""
+    rollout_temperature: float
+    """Sampling temperature of the engines: log-probs are taken at the same temperature."""
+    global_batch_size: int
+    """Samples per optimizer step, over all data-parallel replicas."""
+    num_rollout: int
+    """Rollouts of the whole run."""
+    num_steps_per_rollout: int
+    """Optimizer steps per rollout."""
+    engine_urls: tuple[str, ...] = ()
+    """The rollout engines the weights are pushed to (empty: no engines, e.g. replayed data)."""
+    colocate: bool = False
+    """Engines share the train devices (weights travel by CUDA IPC / shared memory)."""
+    save: str | None = None
+    """Checkpoint directory (--save)."""
+    load: str | None = None
+    """Directory to resume from (--load)."""
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (the default length of a decaying schedule)."""
+        return self.num_rollout * self.num_steps_per_rollout
+
+    @classmethod
+    def from_config(
+        cls, config: MilesConfig, *, num_rollout: int, engine_urls: list[str]
+    ) -> TrainRunSpec:
+        training = config.training
+        assert training.global_batch_size and training.num_steps_per_rollout, "derived by then"
+        return cls(
+            hf_checkpoint=config.checkpoint.hf_checkpoint,
+            rollout_temperature=config.rollout.rollout_temperature,
+            global_batch_size=training.global_batch_size,
+            num_rollout=num_rollout,
+            num_steps_per_rollout=training.num_steps_per_rollout,
+            engine_urls=tuple(engine_urls),
+            colocate=config.cluster.colocate,
+            save=config.checkpoint.save,
+            load=config.checkpoint.load,
+        )
+
+
 class TrainRayActor(abc.ABC):
     """One rank of a training group.
 
     Every rank of the group receives the same calls, in the same order: most of them run
     collectives, so a call made on some ranks only hangs. `data_ref` in `train` is this rank's
-    data-parallel shard (a columnar `RolloutBatch`, or a Ray object reference to one).
+    data-parallel shard (a columnar `RolloutBatch`; Ray resolves a top-level ObjectRef to it).
     """
+
+    backend_name: ClassVar[str] = "backend"
+    """Names the weight-update group with the engines (`miles-<name>-weights`)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -51,6 +115,11 @@ class TrainRayActor(abc.ABC):
         self.world_size = world_size
         self.master_addr = master_addr
         self.master_port = int(master_port)
+        self.engine: TrainEngine | None = None
+        self.trainer: PolicyTrainer | None = None
+        self.weight_version = 0
+        self._updater: WeightUpdater | None = None
+        self._asleep = False
 
     @property
     def local_rank(self) -> int:
@@ -92,65 +161,184 @@ class TrainRayActor(abc.ABC):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
 
+    # -- what a backend implements ------------------------------------------------------------
+
+    def check_supported(self, backend: TrainerArgs) -> None:
+        """Refuse, naming the flag, what this backend cannot do on this machine; called in
+        `init` before the process group forms. A backend that can run anywhere has no checks."""
+        logger.debug("the %s backend runs on any device", self.backend_name)
+
     @abc.abstractmethod
-    def init(self, args: Any, role: Role, with_ref: bool) -> int:
-        """Build model, optimizer and groups; resume from a checkpoint if asked.
+    def build_engine(
+        self, spec: TrainRunSpec, backend: TrainerArgs, *, device: torch.device, with_ref: bool
+    ) -> TrainEngine:
+        """Build model, optimizer, schedule and parallel groups on `device` (the process group
+        is joined); `with_ref` asks for a frozen reference model too."""
+
+    # -- the contract the loop calls ----------------------------------------------------------
+
+    def init(
+        self,
+        spec: TrainRunSpec,
+        loss: LossConfig,
+        backend: TrainerArgs,
+        *,
+        role: Role = "actor",
+        with_ref: bool = False,
+    ) -> int:
+        """Build the engine and the train step, resume from `spec.load` if it holds a checkpoint.
 
         Returns the rollout id to start from: 0 for a fresh run, the saved id + 1 on resume.
-        `with_ref` asks for a frozen reference model (KL to the initial policy).
         """
+        algorithm = Algorithm.from_config(loss)
+        if role != "actor" or algorithm.estimator.needs_critic:
+            raise ValueError(
+                f"the {self.backend_name} backend trains the policy only (role 'actor'), got "
+                f"role {role!r} with --advantage-estimator {loss.advantage_estimator}; a critic "
+                "is not supported yet: use a critic-free estimator such as grpo"
+            )
+        PolicyTrainer.check_settings(loss, use_rollout_logprobs=backend.use_rollout_logprobs)
+        self.check_supported(backend)
+        # The device first: NCCL binds a communicator to the device current at its creation.
+        device = set_device(self.local_rank)
+        self.setup_distributed()
+        torch.manual_seed(backend.seed)
+        self.spec, self.backend = spec, backend
+        self.engine = self.build_engine(
+            spec, backend, device=device, with_ref=with_ref or algorithm.needs_reference
+        )
+        dynamic = backend.use_dynamic_batch_size
+        self.trainer = PolicyTrainer(
+            self.engine,
+            loss,
+            global_batch_size=spec.global_batch_size,
+            micro_batch_size=None if dynamic else backend.micro_batch_size,
+            max_tokens_per_gpu=backend.max_tokens_per_gpu if dynamic else None,
+            use_rollout_logprobs=backend.use_rollout_logprobs,
+        )
+        return self._resume()
 
-    @abc.abstractmethod
-    def train(self, rollout_id: int, data_ref: Any) -> Any:
-        """Take this rollout's optimizer steps on this rank's shard of the train data."""
-
-    @abc.abstractmethod
-    def save_model(self, rollout_id: int) -> None:
-        """Write a resumable checkpoint of model, optimizer and schedule for `rollout_id`."""
-
-    @abc.abstractmethod
-    def update_weights(self) -> None:
-        """Push the current weights to the rollout engines and bump the weight version."""
-
-    @abc.abstractmethod
-    def sleep(self) -> None:
-        """Move training state to host memory so colocated engines can use the device."""
-
-    @abc.abstractmethod
-    def wake_up(self) -> None:
-        """Bring the state moved by `sleep` back onto the device."""
-
-    @abc.abstractmethod
-    def export_hf(self, path: str | Path) -> None:
-        """Write the current weights as a Hugging Face checkpoint directory."""
+    def _resume(self) -> int:
+        assert self.engine is not None and self.trainer is not None
+        if not self.spec.load:
+            return 0
+        loaded = self.engine.load(self.spec.load)
+        if loaded is None:
+            logger.info("no checkpoint in --load %s; starting at rollout 0", self.spec.load)
+            return 0
+        self.weight_version = int(loaded.extra.get("weight_version", 0))
+        self.trainer.global_step = int(loaded.extra.get("global_step", 0))
+        logger.info("resumed rollout %d from %s", loaded.rollout_id, self.spec.load)
+        return loaded.rollout_id + 1
 
     def data_parallel_rank(self) -> int:
         """Which data-parallel shard of each rollout this rank trains on (valid after `init`).
 
-        Ranks that split one model replica (tensor / pipeline parallel peers) must see the same
-        samples, so they share a shard; by default every rank is a replica of its own.
-        """
-        return self.rank
+        Ranks that split one model replica (tensor / pipeline / context-parallel peers) see the
+        same samples, so they share a shard."""
+        return self._engine.dp_rank if self.engine is not None else self.rank
+
+    def train(self, rollout_id: int, data_ref: Any) -> list[dict[str, float]]:
+        """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
+        self._require_awake("train")
+        logger.info("rank %d: training rollout %d", self.rank, rollout_id)
+        return self._trainer.train(_resolve(data_ref))
 
     def logprob_gap(self, data_ref: Any) -> float:
-        """Mean |trainer - engine| log-prob over the response tokens of `data_ref` (all ranks).
+        """The step-0 check (architecture.md: "The loop"): mean |trainer - engine| log-prob over
+        the trainable response tokens of every rank's shard."""
+        self._require_awake("logprob_gap")
+        return self._trainer.logprob_gap(_resolve(data_ref))
 
-        The step-0 check of DESIGN §3.4: after the first weight update the two must agree. A
-        backend that cannot compute it says so, and the run is told how to skip the check.
-        """
-        raise NotImplementedError(
-            f"the {type(self).__name__} backend has no step-0 log-prob check; pass "
-            "--check-weight-sync-tolerance none to skip it"
-        )
+    def save_model(self, rollout_id: int) -> None:
+        """A resumable checkpoint of model, optimizer and schedule for `rollout_id`."""
+        if not self.spec.save:
+            raise ValueError("save_model() needs a checkpoint directory: set --save")
+        self._require_awake("save_model")
+        extra = {
+            "weight_version": self.weight_version,
+            "global_step": self._trainer.global_step,
+            "hf_checkpoint": str(self.spec.hf_checkpoint),
+        }
+        self._engine.save(self.spec.save, rollout_id, extra)
+
+    def export_hf(self, path: str | Path) -> None:
+        """The current weights as a Hugging Face checkpoint directory."""
+        self._require_awake("export_hf")
+        self._engine.export_hf(path)
+
+    def update_weights(self) -> None:
+        """Push the weights to every engine as the next weight version (all ranks call this)."""
+        if not self.spec.engine_urls:
+            raise ValueError(
+                "update_weights() has no engine to update: the run has no engine URLs (replayed "
+                "rollouts, or engines that did not start)"
+            )
+        engine = self._engine
+        if self._updater is None:
+            self._updater = make_weight_updater(
+                engine.named_weights, engine_urls=list(self.spec.engine_urls), rank=self.rank,
+                world_size=self.world_size, colocate=self.spec.colocate,
+                buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
+                master_address=self.master_addr, group_name=f"miles-{self.backend_name}-weights",
+            )  # fmt: skip
+        self.weight_version += 1
+        # Colocated, the loop pushes weights while the trainer sleeps (the engines hold the
+        # device then); the engine keeps them readable for the push.
+        with engine.weights_on_device():
+            self._updater.update(str(self.weight_version))
+
+    def sleep(self) -> None:
+        """Free device memory for colocated engines; a no-op while asleep."""
+        if not self._asleep:
+            self._engine.sleep()
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring back what `sleep` moved; a no-op while awake (the loop wakes the trainer before
+        every train step, also the first)."""
+        if self._asleep:
+            self._engine.wake_up()
+            self._asleep = False
 
     def close(self) -> None:
-        """Release what the rank holds beyond its process (engine clients, weight-update groups).
+        """Leave the engines' weight-update group (disaggregated) and close engine clients.
 
-        Called before the train group's actors end; the process group stays, since a backend may
-        re-create its engine connections after `close` (e.g. to switch transports). A backend
-        that holds nothing beyond its process has nothing to release.
+        The process group stays: a rank may re-create its engine connections after `close`.
         """
-        logger.debug("rank %d: %s holds nothing to release", self.rank, type(self).__name__)
+        if self._updater is not None:
+            self._updater.shutdown()
+            self._updater = None
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError("the train actor is not initialized: call init() first")
+        return self.engine
+
+    @property
+    def _trainer(self) -> PolicyTrainer:
+        if self.trainer is None:
+            raise RuntimeError("the train actor is not initialized: call init() first")
+        return self.trainer
+
+    def _require_awake(self, call: str) -> None:
+        # A sleeping engine's state may have no device memory behind it.
+        if self._asleep:
+            raise RuntimeError(f"{call}() while the trainer sleeps: call wake_up() first")
+
+
+def _resolve(data_ref: Any) -> RolloutBatch:
+    # Ray hands an actor method the value behind a top-level ObjectRef argument, so a rank's
+    # shard arrives here as the RolloutBatch itself.
+    if isinstance(data_ref, dict):
+        return data_ref
+    raise TypeError(
+        f"train() got data of type {type(data_ref).__name__}; pass this rank's RolloutBatch "
+        "(a dict of per-sample lists), or its ray.ObjectRef as a top-level argument"
+    )
 
 
 def _host_for_url(address: str) -> str:

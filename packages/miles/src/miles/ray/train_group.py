@@ -12,12 +12,13 @@ import socket
 from typing import Any
 
 import ray
+from miles.backends.training_utils.loss_config import LossConfig
+from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
+from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE
+from miles.ray.train_actor import TrainRunSpec
 
 logger = logging.getLogger(__name__)
-
-# Share of a colocated bundle the train actor takes; the engine takes the rest.
-COLOCATED_TRAIN_SHARE = 0.6
 
 
 @ray.remote(num_cpus=0)
@@ -66,9 +67,21 @@ class RayTrainGroup:
     def _all(self, method: str, *args: Any) -> list[ray.ObjectRef]:
         return [getattr(actor, method).remote(*args) for actor in self.actors]
 
-    def init(self, args: Any, role: str = "actor", with_ref: bool = False) -> int:
+    def init(
+        self,
+        spec: TrainRunSpec,
+        loss: LossConfig,
+        backend: TrainerArgs,
+        *,
+        role: str = "actor",
+        with_ref: bool = False,
+    ) -> int:
         """Build every rank; returns the rollout id to start from (the same on every rank)."""
-        starts = ray.get(self._all("init", args, role, with_ref))
+        calls = [
+            actor.init.remote(spec, loss, backend, role=role, with_ref=with_ref)
+            for actor in self.actors
+        ]
+        starts = ray.get(calls)
         if len(set(starts)) != 1:
             raise RuntimeError(
                 f"train ranks disagree on the rollout to resume from: {starts}; the checkpoint "

@@ -2,7 +2,8 @@
 
 `PromptDataset` is a plain indexable list of `PromptRecord`s; in what order they are served (epochs,
 shuffling, resume) is `RolloutDataSource`'s business, in `miles.rollout.data_source`. Remote datasets
-(hub names, URLs) are deliberately not read here: nothing is downloaded at run time (DESIGN §7).
+(hub names, URLs) are deliberately not read here: nothing is downloaded at run time
+(architecture.md: "Defaults that run with no infrastructure").
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The order is a pure function of (--rollout-seed, epoch, dataset size), so a run resumed from
 `state_dict` continues with exactly the prompts, groups and indices the uninterrupted run would
-have seen (DESIGN §3.5). Reading and rendering the file is `PromptDataset`'s job.
+have seen (architecture.md: "Contracts / Checkpoints"). Reading and rendering the file is
+`PromptDataset`'s job.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from miles.backends.training_utils.import_path import load_function
 from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter
@@ -28,9 +29,18 @@ from miles.rollout.sample_generation import (
     generate_sample,
     needs_generation,
 )
-from miles.utils.import_path import load_function
 
-__all__ = ["DataSource", "RolloutConfig", "RolloutOutput", "ScoreGroups", "generate_rollout"]
+if TYPE_CHECKING:
+    from miles.config.schema import MilesConfig
+
+__all__ = [
+    "DataSource",
+    "RolloutConfig",
+    "RolloutOutput",
+    "ScoreGroups",
+    "generate_groups",
+    "generate_rollout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,21 @@ ScoreGroups = Callable[[list[list[Sample]]], Awaitable[Any]]
 
 
 async def generate_rollout(
+    rollout_id: int,
+    *,
+    pool: EnginePool,
+    data_source: DataSource,
+    score_groups: ScoreGroups,
+    config: MilesConfig,
+) -> RolloutOutput:
+    """The built-in rollout function, the default of --rollout-function-path (and called exactly
+    like a custom one): `generate_groups` with the run's rollout settings."""
+    return await generate_groups(
+        pool, data_source, score_groups, config.rollout, rollout_id=rollout_id
+    )
+
+
+async def generate_groups(
     pool: EnginePool,
     data_source: DataSource,
     score_groups: ScoreGroups,
@@ -90,7 +115,7 @@ class _Outcome(enum.Enum):
 
 
 class _Rollout:
-    """The state of one generate_rollout call: submitted groups, their tasks, the counters."""
+    """The state of one generate_groups call: submitted groups, their tasks, the counters."""
 
     def __init__(
         self,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from miles.backends.training_utils.import_path import split_import_path
 from miles.rollout.filters import check_filter_path
-from miles.utils.import_path import split_import_path
 
+ROLLOUT_FUNCTION_FLAG = "--rollout-function-path"
 GENERATE_FLAG = "--custom-generate-function-path"
 
 
@@ -45,10 +46,11 @@ class RolloutConfig:
     custom_generate_function_path: str | None = None
     """--custom-generate-function-path: "pkg.mod:fn", async fn(pool, sample, sampling_params) ->
     Sample, replacing `generate_sample` (multi-turn, tools, ...)."""
-    rollout_function_path: str | None = None
-    """--rollout-function-path: "pkg.mod:fn" replacing the whole rollout: fn(rollout_id, *, pool,
-    data_source, config) -> list of groups (sync or async); unscored samples are then scored by
-    the reward hub. E.g. miles.rollout.sft_rollout:sft_rollout for supervised warm-up."""
+    rollout_function_path: str = "miles.rollout.generate:generate_rollout"
+    """--rollout-function-path: "pkg.mod:fn" making a whole rollout: fn(rollout_id, *, pool,
+    data_source, score_groups, config) -> RolloutOutput or a list of groups (sync or async);
+    unscored samples are then scored by the reward hub. The default is the built-in; e.g.
+    miles.rollout.sft_rollout:sft_rollout for a supervised warm-up."""
     rollout_seed: int = 42
     """--rollout-seed: seeds the prompt order and every request's sampler (`sampling_seed`), so
     a resumed run samples what the uninterrupted one would have."""
@@ -73,12 +75,11 @@ class RolloutConfig:
         self._check_filter_flags()
         if self.custom_generate_function_path is not None:
             split_import_path(self.custom_generate_function_path, GENERATE_FLAG)
-        if self.rollout_function_path is not None:
-            split_import_path(self.rollout_function_path, "--rollout-function-path")
+        split_import_path(self.rollout_function_path, ROLLOUT_FUNCTION_FLAG)
 
     def _check_filter_flags(self) -> None:
         # Over-sampling and partial rollout only act on groups a filter rejects or leaves over;
-        # without a filter they would be silent no-ops (DESIGN §8).
+        # without a filter they would be silent no-ops (architecture.md: "Design rules").
         if self.dynamic_sampling_filter_path is not None:
             check_filter_path(self.dynamic_sampling_filter_path)
         elif self.over_sampling_batch_size is not None:

@@ -20,9 +20,11 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def sft_rollout(rollout_id: int, *, pool: Any, data_source: Any, config: Any) -> list[list[Sample]]:
+def sft_rollout(
+    rollout_id: int, *, pool: Any, data_source: Any, score_groups: Any, config: Any
+) -> list[list[Sample]]:
     """`--rollout-batch-size` groups whose responses are the labels (no generation)."""
-    del rollout_id, pool  # nothing is generated
+    del rollout_id, pool, score_groups  # nothing is generated or scored
     tokenizer = _tokenizer(config.checkpoint.hf_checkpoint)
     groups = data_source.get_samples(config.rollout.rollout_batch_size)
     for group in groups:

@@ -1,8 +1,8 @@
 """From scored groups to the train data of one rollout: shaped rewards, columns, one shard per DP rank.
 
 Rewards are shaped over the whole rollout here (group normalization needs every sample of a group),
-so a train rank only ever sees its own shard (DESIGN §3.3). Rollout metrics are computed on the
-same samples, before sharding.
+so a train rank only ever sees its own shard (architecture.md: "Contracts / Data"). Rollout metrics
+are computed on the same samples, before sharding.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from miles.backends.training_utils.advantages import shape_rewards
+from miles.backends.training_utils.algorithms import shape_rewards
 from miles.backends.training_utils.data import dp_partitions
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.rollout_data import (

@@ -1,4 +1,6 @@
-"""Where a run's checkpoints live (DESIGN §3.5), shared by core and every backend.
+"""Where a run's checkpoints live, shared by core and every backend.
+
+(architecture.md: "Contracts / Checkpoints")
 
 `<save>/iter_<N:07d>/` holds the backend's state of rollout N, `<save>/rollout/iter_<N:07d>.json`
 the rollout side's (data-source position, partial-rollout buffer), and

@@ -1,7 +1,9 @@
 """Backends and rollout engines, found through entry points rather than imported by name.
 
-Core never imports a training backend (DESIGN §2): each backend wheel registers itself under an
-entry-point group, and choosing one whose wheel is missing is a one-line error naming the wheel.
+Core never imports a training backend (architecture.md: "Packages and the direction of
+dependencies"): each backend wheel registers itself under entry-point groups, and choosing one
+whose wheel is missing is a one-line error naming the wheel. A backend registers its settings
+class apart from its actor, so reading the configuration never imports the actor's module.
 """
 
 from __future__ import annotations
@@ -11,14 +13,22 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 TRAIN_BACKENDS = "miles.train_backends"
+"""--train-backend name -> the backend's `TrainRayActor` subclass."""
+TRAIN_BACKEND_ARGS = "miles.train_backend_args"
+"""--train-backend name -> the backend's settings dataclass (a `TrainerArgs` subclass)."""
 ROLLOUT_ENGINES = "miles.rollout_engines"
 
 # What a user installs to get each known plugin, and the flag that chooses it.
 KNOWN_PLUGINS: dict[str, dict[str, str]] = {
     TRAIN_BACKENDS: {"fsdp": "miles-fsdp", "megatron": "miles-megatron"},
+    TRAIN_BACKEND_ARGS: {"fsdp": "miles-fsdp", "megatron": "miles-megatron"},
     ROLLOUT_ENGINES: {"sglang": "miles-sglang", "reference": "miles-sglang"},
 }
-_FLAG = {TRAIN_BACKENDS: "--train-backend", ROLLOUT_ENGINES: "--rollout-engine"}
+_FLAG = {
+    TRAIN_BACKENDS: "--train-backend",
+    TRAIN_BACKEND_ARGS: "--train-backend",
+    ROLLOUT_ENGINES: "--rollout-engine",
+}
 
 
 class PluginNotInstalledError(ImportError):

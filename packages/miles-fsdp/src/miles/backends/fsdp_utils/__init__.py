@@ -2,31 +2,34 @@
 
 Example, one rank of a 2-rank trainer (the Ray placement code makes one per rank)::
 
-    from miles.backends.fsdp_utils import FSDPTrainRayActor
+    from miles.backends.fsdp_utils import FSDPArgs, FSDPTrainRayActor
 
     actor = FSDPTrainRayActor(rank=0, world_size=2, master_addr="127.0.0.1", master_port=29500)
-    start_rollout = actor.init(args, role="actor", with_ref=False)
+    start_rollout = actor.init(run_spec, loss_config, FSDPArgs(lr=1e-6))
     actor.train(start_rollout, rank_shard)
     actor.update_weights()
+
+Re-exports are resolved on first use: reading the configuration imports `arguments` alone, not
+the actor, torch's FSDP or the checkpoint code.
 """
 
-from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
-from miles.backends.fsdp_utils.arguments import FSDPArgs, load_fsdp_args, validate_hybrid_shard_args
-from miles.backends.fsdp_utils.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
-from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
-from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+import importlib
+from typing import Any
 
-__all__ = [
-    "FSDPArgs",
-    "FSDPTrainRayActor",
-    "build_fsdp_meshes",
-    "create_fsdp_parallel_state",
-    "export_hf",
-    "get_lr_scheduler",
-    "iter_full_tensors",
-    "load_checkpoint",
-    "load_fsdp_args",
-    "save_checkpoint",
-    "validate_hybrid_shard_args",
-]
+_EXPORTS = {
+    "FSDPArgs": "miles.backends.fsdp_utils.arguments",
+    "FSDPEngine": "miles.backends.fsdp_utils.engine",
+    "FSDPTrainRayActor": "miles.backends.fsdp_utils.actor",
+    "build_fsdp_meshes": "miles.backends.fsdp_utils.parallel",
+    "export_hf": "miles.backends.fsdp_utils.checkpoint",
+    "load_checkpoint": "miles.backends.fsdp_utils.checkpoint",
+    "save_checkpoint": "miles.backends.fsdp_utils.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,7 +1,7 @@
 """Settings of the FSDP training backend: one dataclass, loaded from YAML and command-line flags.
 
 Every field is a user flag (`lr_decay_style` is `--lr-decay-style`). Settings this backend cannot
-honour raise at load time, naming the flag, instead of being silently ignored (DESIGN §8).
+honour raise at load time, naming the flag, instead of being silently ignored (architecture.md: "Design rules").
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""An FSDP2 model's weights under the engines' names, for weight sync (DESIGN §3.4).
+"""An FSDP2 model's weights under the engines' names, for weight sync.
+
+(architecture.md: "Contracts / Weight sync")
 
 Every rank walks the parameters in the same order and gathers each full tensor (a collective) as
 the miles-sglang updater pulls them, so memory stays bounded; the pause / send / resume flow and

@@ -2,7 +2,7 @@
 
 Every field is a user flag (`tensor_model_parallel_size` is `--tensor-model-parallel-size`);
 names shared with the FSDP backend mean the same thing there. Settings Megatron would ignore or
-reject deep inside model construction raise here, naming the flag and the values (DESIGN §8).
+reject deep inside model construction raise here, naming the flag and the values (architecture.md: "Design rules").
 """
 
 from __future__ import annotations

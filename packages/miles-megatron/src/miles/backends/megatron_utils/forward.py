@@ -4,7 +4,7 @@ Samples of a micro-batch are right-padded to a common length; with causal attent
 position never influences an earlier one, so no sample sees another's tokens or its own padding.
 The vocab-parallel logits are gathered over the tensor-parallel group before the log-softmax (simple
 and exact; a vocab-parallel log-softmax would save that memory). Megatron's schedule divides each
-micro-batch's loss by the number of micro-batches; training-utils' loss is already normalized by
+micro-batch's loss by the number of micro-batches; the train step's loss is already normalized by
 global counts, so the loss handed to the schedule is multiplied back.
 
 With context parallelism each rank runs its slice of every sequence (`context_parallel`): it takes
@@ -27,12 +27,9 @@ from miles.backends.megatron_utils.context_parallel import (
     local_positions,
     split_sequence,
 )
-from miles.backends.training_utils.data import get_batch
-from miles.backends.training_utils.log_utils import aggregate_train_losses, log_train_step
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.loss import LossNormalizer, loss_function
-from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.rollout_data import RolloutBatch
+from miles.backends.training_utils.train_engine import MicroBatchLoss
 
 
 def pad_micro_batch(
@@ -68,30 +65,13 @@ class MicroBatchForward:
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
 
-    def normalizer(
-        self, step_batch: RolloutBatch, *, global_batch_size: int, dp_size: int, dp_group: Any
-    ) -> LossNormalizer:
-        local = float(sum(sum(mask) for mask in step_batch["loss_masks"]))
-        total = torch.tensor([local], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=dp_group)
-        return LossNormalizer(
-            num_samples=global_batch_size, num_tokens=int(total.item()), dp_size=dp_size
-        )
-
-    def step_func(
-        self,
-        loss_config: LossConfig,
-        *,
-        forward_only: bool,
-        collect: str,
-        num_micro_batches: int,
-        normalizer: LossNormalizer | None = None,
-    ) -> Callable:
-        """`forward_step(data_iterator, model)` for Megatron's schedules; `collect` is
-        "log_probs" (forward only: per-sample log-probs) or "loss" (training)."""
+    def step_func(self, *, num_micro_batches: int, loss_fn: MicroBatchLoss | None) -> Callable:
+        """`forward_step(data_iterator, model)` for Megatron's schedules over an iterator of
+        (index, micro-batch). Without `loss_fn` (forward only) each micro-batch yields its
+        response log-probs; with it, the loss `loss_fn` forms and its metric pairs."""
 
         def forward_step(data_iterator, model):
-            micro = next(data_iterator)
+            index, micro = next(data_iterator)
             input_ids, position_ids, positions, targets = pad_micro_batch(
                 micro, multiple_of=2 * self.cp_size if self.cp_size > 1 else 1
             )
@@ -112,17 +92,14 @@ class MicroBatchForward:
                     )
                 else:
                     log_probs, entropy = self._response_log_probs(output_tensor, positions, targets)
-                if collect == "log_probs":
-                    pieces = [p.detach().float().cpu() for p in log_probs]
+                if loss_fn is None:
+                    pieces = torch.cat(log_probs).detach().float().cpu()  # (sum R,)
                     return output_tensor.sum() * 0.0, {"log_probs": pieces}
-                assert normalizer is not None, "training needs the global-batch normalizer"
-                loss, metrics = loss_function(
-                    self._loss_inputs(micro, log_probs, entropy, loss_config),
-                    loss_config,
-                    normalizer,
-                )
-                # Megatron multiplies a loss by the context-parallel size, expecting each rank's
-                # share of it; every context-parallel rank here holds the whole loss.
+                loss, metrics = loss_fn(index, torch.cat(log_probs), torch.cat(entropy))
+                # Megatron's schedule divides a loss by the number of micro-batches and
+                # multiplies it by the context-parallel size, expecting each rank's share; the
+                # step's loss is already normalized by global counts, and every
+                # context-parallel rank here holds the whole of it.
                 return loss * num_micro_batches / self.cp_size, {"metrics": metrics}
 
             return output, loss_func
@@ -169,33 +146,3 @@ class MicroBatchForward:
             [log_probs[row, pos] for row, pos in enumerate(picked)],
             [entropy[row, pos] for row, pos in enumerate(picked)],
         )
-
-    def _loss_inputs(
-        self, micro: RolloutBatch, log_probs: list, entropy: list, loss_config: LossConfig
-    ) -> dict[str, Any]:
-        keys = ["loss_masks"]
-        if loss_config.loss_type != "sft_loss":
-            keys += ["log_probs", "advantages"]
-            if loss_config.use_kl_loss:
-                keys.append("ref_log_probs")
-            if loss_config.off_policy_correction is not None:
-                keys.append("rollout_log_probs")
-        tensors = get_batch(micro, keys)
-        inputs = {
-            "log_probs": torch.cat(log_probs),
-            "entropy": torch.cat(entropy),
-            "loss_mask": tensors["loss_masks"].to(self.device),
-            "response_lengths": micro["response_lengths"],
-        }
-        for key in keys[1:]:
-            inputs["old_log_probs" if key == "log_probs" else key] = tensors[key].to(self.device)
-        return inputs
-
-    def step_metrics(
-        self, losses: list[dict], *, group: Any, step: int, lr: float, grad_norm: float
-    ) -> dict[str, float]:
-        """One optimizer step's metrics from the schedule's per-micro-batch outputs (which only
-        the last pipeline stage has; the other stages report step, lr and grad norm)."""
-        pairs = [item["metrics"] for item in losses if "metrics" in item]
-        metrics = aggregate_train_losses(pairs, group=group) if pairs else {}
-        return log_train_step(metrics, step=step, lr=lr, grad_norm=grad_norm)

@@ -1,8 +1,8 @@
 """`RewardConfig`: which reward scores the rollout (`--rm-type`) and how it is called, validated.
 
 Every flag that the chosen reward type would ignore is an error rather than a silent no-op
-(DESIGN §8); the custom function's import happens later, in `RewardHub`, so a config can be
-validated on a machine that lacks the user's module.
+(architecture.md: "Design rules"); the custom function's import happens later, in `RewardHub`, so
+a config can be validated on a machine that lacks the user's module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from miles.utils.import_path import ImportPathError, split_import_path
+from miles.backends.training_utils.import_path import ImportPathError, split_import_path
 
 RmType = Literal["math", "exact_match", "f1", "remote", "custom"]
 RM_TYPES: tuple[str, ...] = get_args(RmType)

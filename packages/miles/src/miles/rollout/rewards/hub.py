@@ -1,8 +1,9 @@
 """The reward hub: resolves the configured reward once, scores batches concurrently, and applies
 the failure rule.
 
-Failure rule (DESIGN §8): a sample whose reward function raises, exceeds `--rm-timeout-s`, or
-returns something that is not a finite number (or a dict without the reward key) gets
+Failure rule (architecture.md: "Design rules"): a sample whose reward function raises, exceeds
+`--rm-timeout-s`, or returns something that is not a finite number (or a dict without the reward
+key) gets
 `--reward-failure-score` as its reward and the message in `sample.metadata["reward_error"]`.
 Failures are counted in the `RewardReport` (`reward/failures`, `reward/failure_rate`), logged once
 per batch with the count and the first message, and the run continues: the hub never raises for a
@@ -23,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.backends.training_utils.import_path import load_function
 from miles.backends.training_utils.sample import Sample
 from miles.rollout.rewards.config import CUSTOM_RM_PATH_FLAG, RewardConfig
 from miles.rollout.rewards.math import math_reward
 from miles.rollout.rewards.remote import RemoteRewardModel
 from miles.rollout.rewards.text import exact_match_reward, f1_reward
-from miles.utils.import_path import load_function
 
 logger = logging.getLogger(__name__)
 

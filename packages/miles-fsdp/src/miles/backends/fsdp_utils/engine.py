@@ -1,0 +1,226 @@
+"""`FSDPEngine`: the FSDP2 backend's `TrainEngine` (model, optimizer, schedule, one rank of them).
+
+Rank 0 alone reads the Hugging Face checkpoint; the other ranks build the model on the meta device
+and receive their shards from rank 0. Micro-batches are packed; sdpa and eager run their documents
+as the rows of a right-padded batch, flash attention runs the packed row with restarting position
+ids, so no token ever attends across documents. The RL step itself is training-utils'
+`PolicyTrainer`; this module only runs micro-batches through the sharded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.arguments import FSDPArgs
+from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
+from miles.backends.fsdp_utils.modeling import build_fsdp_model, packed_logits, response_positions
+from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
+from miles.backends.fsdp_utils.precision import PrecisionPolicy
+from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+from miles.backends.training_utils.data import get_batch
+from miles.backends.training_utils.device import empty_cache, get_device_info, synchronize
+from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.rollout_data import RolloutBatch
+from miles.backends.training_utils.train_engine import (
+    LoadedCheckpoint,
+    MicroBatchLoss,
+    OptimizerStepResult,
+)
+from miles.ray.train_actor import TrainRunSpec
+
+logger = logging.getLogger(__name__)
+
+
+def check_device_support(args: FSDPArgs) -> None:
+    """Refuse what this machine's device makes pointless (FSDPArgs is built on the driver, which
+    may have another device than the train ranks)."""
+    if args.fsdp_cpu_offload and not get_device_info().is_accelerator:
+        raise ValueError(
+            "--fsdp-cpu-offload has no effect on CPU: parameters already live in host memory; "
+            "drop the flag"
+        )
+
+
+class FSDPEngine:
+    """One rank of the FSDP2 policy (and, when asked, a frozen reference model)."""
+
+    def __init__(
+        self,
+        args: FSDPArgs,
+        spec: TrainRunSpec,
+        *,
+        device: torch.device,
+        world_size: int,
+        with_ref: bool,
+    ) -> None:
+        check_device_support(args)
+        self.args, self.hf_checkpoint = args, spec.hf_checkpoint
+        self.temperature, self.device = spec.rollout_temperature, device
+        meshes = build_fsdp_meshes(
+            device.type, world_size, args.context_parallel_size, args.dp_replicate_size
+        )
+        dp = create_fsdp_parallel_state(meshes).dp
+        self.dp_group, self.dp_size, self.dp_rank = dp.group, dp.size, dp.rank
+        self.context_parallel_size = 1  # FSDPArgs refuses more
+        self.precision = PrecisionPolicy.from_args(args, get_device_info().kind)
+        self.engine_dtype = self.precision.engine_dtype
+        self.model = self._build_model(meshes["fsdp"], trainable=True)
+        self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+        self.lr_scheduler = get_lr_scheduler(
+            self.optimizer,
+            decay_style=args.lr_decay_style,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            warmup_iters=args.lr_warmup_iters,
+            decay_iters=args.lr_decay_iters or spec.total_optimizer_steps,
+            wsd_decay_iters=args.lr_wsd_decay_iters,
+        )
+
+    def _build_model(self, mesh: DeviceMesh, *, trainable: bool) -> nn.Module:
+        # The frozen reference model only runs forward passes: on accelerators its shards wait
+        # in host memory and visit the device per layer.
+        offload = self.args.fsdp_cpu_offload if trainable else get_device_info().is_accelerator
+        return build_fsdp_model(
+            self.hf_checkpoint,
+            mesh=mesh,
+            device=self.device,
+            precision=self.precision,
+            attn_implementation=self.args.attn_implementation,
+            cpu_offload=offload,
+            gradient_checkpointing=self.args.gradient_checkpointing,
+            trainable=trainable,
+        )
+
+    # -- forward and backward -----------------------------------------------------------------
+
+    def _log_probs(self, model: nn.Module, micro: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """(sum R,) log-probs and entropies of a micro-batch's response tokens."""
+        packed = get_batch(micro, ())["packed"]
+        logits = packed_logits(
+            model, packed, attn_implementation=self.args.attn_implementation, device=self.device
+        )  # (T, V)
+        positions = response_positions(packed).to(self.device)  # (sum R,)
+        targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
+        return get_log_probs_and_entropy(logits[positions], targets, temperature=self.temperature)
+
+    def forward_log_probs(
+        self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False
+    ) -> list[Tensor]:
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs asked of an engine built without with_ref")
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = [self._log_probs(model, micro)[0].float().cpu() for micro in micro_batches]
+        model.train(was_training)
+        return out
+
+    def forward_backward(
+        self, micro_batches: Sequence[RolloutBatch], loss_fn: MicroBatchLoss
+    ) -> list[dict[str, Tensor]]:
+        self.model.train()
+        metrics = []
+        for index, micro in enumerate(micro_batches):
+            log_probs, entropy = self._log_probs(self.model, micro)
+            loss, pairs = loss_fn(index, log_probs, entropy)
+            loss.backward()
+            metrics.append(pairs)
+        return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> OptimizerStepResult:
+        """Clip by the norm of the full gradient (over every shard), then step."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()  # the local norms are partial: reduce them over the mesh
+        grad_norm = float(total)
+        if not math.isfinite(grad_norm):
+            # Every rank sees the same full norm, so every rank skips together.
+            self.optimizer.zero_grad(set_to_none=True)
+            return OptimizerStepResult(grad_norm=grad_norm, lr=lr, applied=False)
+        if self.args.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip_grad, total)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return OptimizerStepResult(grad_norm=grad_norm, lr=lr, applied=True)
+
+    # -- weights, checkpoints, memory ---------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        return iter_full_tensors(self.model, self.engine_dtype)
+
+    def weights_on_device(self) -> contextlib.AbstractContextManager[None]:
+        # A sleeping FSDP model sits in host memory, where its shards stay readable.
+        return contextlib.nullcontext()
+
+    def save(self, directory: str, rollout_id: int, extra: dict) -> None:
+        checkpoint.save_checkpoint(
+            directory,
+            rollout_id,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            extra_meta=extra,
+        )
+
+    def load(self, directory: str) -> LoadedCheckpoint | None:
+        meta = checkpoint.load_checkpoint(
+            directory, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
+        )
+        if meta is None:
+            return None
+        return LoadedCheckpoint(rollout_id=int(meta["rollout_id"]), extra=meta.get("extra", {}))
+
+    def export_hf(self, path: str | Path) -> None:
+        checkpoint.export_hf(
+            self.model,
+            path,
+            config=self.model.config,
+            tokenizer_path=self.hf_checkpoint,
+            dtype=self.engine_dtype,
+        )
+
+    def sleep(self) -> None:
+        """Parameters, gradients and optimizer state to host memory (on CPU: nothing to free)."""
+        self._move_to(torch.device("cpu"))
+
+    def wake_up(self) -> None:
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        if not get_device_info().is_accelerator:
+            logger.info("on CPU, sleep/wake_up keep the training state in place")
+            return
+        # With --fsdp-cpu-offload FSDP already keeps shards, gradients and optimizer state on the
+        # host; the frozen reference model is always offloaded on accelerators.
+        if not self.args.fsdp_cpu_offload:
+            self.model.to(device)  # moves gradients along with their parameters
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
+        synchronize()
+        empty_cache()

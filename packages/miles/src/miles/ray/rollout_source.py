@@ -1,0 +1,103 @@
+"""Where a run's rollouts come from: the rollout manager's engines, or rollouts saved earlier.
+
+`Run` picks one source when it starts (`--debug-train-only` replays saved rollouts) and the loop
+never asks again: both sources start a rollout, wait for it, and hand back the same `Rollout`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+import ray
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One rollout's train data and what its generation measured."""
+
+    rollout_id: int
+    data: list[Any]
+    """One Ray object reference per data-parallel replica: replica r trains on `data[r]`."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PendingRollout:
+    """A rollout being generated (returned by `start`, redeemed by `wait`)."""
+
+    rollout_id: int
+    call: Any
+    """The rollout manager's generate call (None for a replayed rollout)."""
+    started_at: float
+
+
+class RolloutSource(Protocol):
+    def start(self, rollout_id: int) -> PendingRollout: ...
+
+    def wait(self, pending: PendingRollout) -> Rollout: ...
+
+    def wait_done(self, pending: PendingRollout) -> None:
+        """Block until the generation has finished (no result fetched)."""
+        ...
+
+
+class EngineRollouts:
+    """Rollouts the rollout manager generates on the engines."""
+
+    def __init__(self, rollout_manager: Any) -> None:
+        self.rollout_manager = rollout_manager
+
+    def start(self, rollout_id: int) -> PendingRollout:
+        call = self.rollout_manager.generate.remote(rollout_id)
+        return PendingRollout(rollout_id, call, time.perf_counter())
+
+    def wait(self, pending: PendingRollout) -> Rollout:
+        result = ray.get(pending.call)
+        metrics = {**result["metrics"], "time/generate_s": time.perf_counter() - pending.started_at}
+        return Rollout(pending.rollout_id, result["data"], metrics)
+
+    def wait_done(self, pending: PendingRollout) -> None:
+        ray.wait([pending.call])
+
+
+class ReplayedRollouts:
+    """Rollouts saved by an earlier run with --save-debug-rollout-data, one file per rollout."""
+
+    def __init__(self, pattern: str, *, dp_size: int) -> None:
+        self.pattern = pattern
+        self.dp_size = dp_size
+
+    def start(self, rollout_id: int) -> PendingRollout:
+        return PendingRollout(rollout_id, None, time.perf_counter())
+
+    def wait(self, pending: PendingRollout) -> Rollout:
+        path = Path(self.pattern.format(rollout_id=pending.rollout_id))
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"--debug-train-only: no saved rollout {pending.rollout_id} at {path} (from "
+                f"--load-debug-rollout-data {self.pattern}); save rollouts first with "
+                "--save-debug-rollout-data"
+            )
+        shards = torch.load(path, weights_only=False)["shards"]
+        if len(shards) != self.dp_size:
+            raise ValueError(
+                f"{path} holds {len(shards)} data-parallel shards but this run trains "
+                f"{self.dp_size} replicas; replay with the train layout of the run that saved it"
+            )
+        data = [ray.put(shard) for shard in shards]
+        return Rollout(pending.rollout_id, data, {})
+
+    def wait_done(self, pending: PendingRollout) -> None:
+        return None
+
+
+def save_rollout(pattern: str, rollout: Rollout) -> None:
+    """Write `rollout`'s shards where `ReplayedRollouts(pattern)` finds them."""
+    path = Path(pattern.format(rollout_id=rollout.rollout_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"rollout_id": rollout.rollout_id, "shards": ray.get(list(rollout.data))}, path)
