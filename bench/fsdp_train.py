@@ -21,7 +21,6 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -78,20 +77,21 @@ def _fsdp_rank(rank: int, world_size: int, port: int, checkpoint: Path, opts: di
     from miles.backends.fsdp_utils.arguments import FSDPArgs
     from miles.backends.training_utils.data import get_rollout_data
     from miles.backends.training_utils.loss_config import LossConfig
+    from miles.ray import TrainRunSpec
 
     torch.set_num_threads(1)
     os.environ["MILES_DEVICE"] = "cpu"
-    args = SimpleNamespace(
-        hf_checkpoint=str(checkpoint), loss=LossConfig(loss_type="sft_loss"),
-        fsdp=FSDPArgs(lr=1e-4, micro_batch_size=MICRO_BATCH, seed=0),
-        rollout_temperature=1.0, global_batch_size=opts["samples"], n_samples_per_prompt=1,
-        save=None, load=None, engine_urls=[], colocate=True,
+    spec = TrainRunSpec(
+        hf_checkpoint=str(checkpoint), rollout_temperature=1.0,
+        global_batch_size=opts["samples"], num_rollout=opts["steps"] + 1, num_steps_per_rollout=1,
     )  # fmt: skip
+    fsdp = FSDPArgs(lr=1e-4, micro_batch_size=MICRO_BATCH, seed=0)
     actor = FSDPTrainRayActor(rank, world_size, "127.0.0.1", port)
-    actor.init(args, "actor", False)
+    actor.init(spec, LossConfig(loss_type="sft_loss"), fsdp)
+    engine = actor.engine
     memory: dict[str, int] = {}
-    actor.optimizer.register_step_post_hook(
-        lambda opt, *_: memory.update(state_bytes(actor.model, opt))
+    engine.optimizer.register_step_post_hook(
+        lambda opt, *_: memory.update(state_bytes(engine.model, opt))
     )
     shard = get_rollout_data(make_batch(opts["samples"], opts["seq_len"]), rank, world_size)
     actor.train(0, shard)  # warm-up: allocations, optimizer state

@@ -1,8 +1,9 @@
 """The train loop end to end with tiny settings: real Ray, FSDP on gloo, the reference engine.
 
 Each test is a whole `miles train` (in-process, sharing one local Ray instance): disaggregated and
-colocated placement, the one-step-async loop, debug replay of saved rollouts, and a run that
-crashed while saving, resumed from its last complete checkpoint, matching the uninterrupted one.
+colocated placement, the one-step-async loop, the disaggregated run's saved rollouts replayed
+(training as that run did), and a run that crashed while saving, resumed from its last complete
+checkpoint, matching the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -51,15 +52,25 @@ def run(assets, out: Path, *flags: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
-def test_disaggregated_run_logs_every_rollout_with_its_time_split(assets, tmp_path):
-    records = run(assets, tmp_path, "--num-rollout", "2", "--rollout-num-gpus", "1")
+@pytest.fixture(scope="module")
+def disaggregated(assets, tmp_path_factory) -> tuple[list[dict], str, Path]:
+    """A disaggregated run that also saves its rollouts: its records, the rollouts' file
+    pattern, and its output directory."""
+    out = tmp_path_factory.mktemp("disaggregated")
+    pattern = str(out / "rollouts" / "r{rollout_id}.pt")
+    flags = ["--num-rollout", "2", "--rollout-num-gpus", "1", "--save-debug-rollout-data", pattern]
+    return run(assets, out / "run", *flags), pattern, out / "run"
+
+
+def test_disaggregated_run_logs_every_rollout_with_its_time_split(disaggregated):
+    records, _, out = disaggregated
     assert [r["rollout_id"] for r in records] == [0, 1]
     first = records[0]
     for key in ("rollout/reward_mean", "train/loss", "time/generate_s", "time/train_s",
                 "time/update_weights_s", "time/step_s", "check/logprob_abs_diff"):  # fmt: skip
         assert key in first, key
     assert first["check/logprob_abs_diff"] < 1e-3  # the step-0 check: engine runs our weights
-    assert (tmp_path / "config.json").is_file()
+    assert (out / "config.json").is_file()
 
 
 def test_colocated_run_shares_the_train_devices(assets, tmp_path):
@@ -97,16 +108,17 @@ def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_p
     assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
 
 
-def test_debug_replay_trains_on_saved_rollouts(assets, tmp_path):
-    pattern = str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    generated = run(
-        assets, tmp_path / "gen", "--num-rollout", "2", "--rollout-num-gpus", "1",
-        "--debug-rollout-only", "--save-debug-rollout-data", pattern,
-    )  # fmt: skip
-    assert all("train/loss" not in r for r in generated)
-    assert (tmp_path / "rollouts" / "r1.pt").is_file()
+def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(
+    assets, tmp_path, disaggregated
+):
+    records, pattern, _ = disaggregated
     replayed = run(
         assets, tmp_path / "replay", "--num-rollout", "2", "--rollout-num-gpus", "1",
         "--debug-train-only", "--load-debug-rollout-data", pattern,
     )  # fmt: skip
-    assert all("train/loss" in r for r in replayed)
+    # Same start weights, same data: the same optimizer steps; no engines, so no step-0 check.
+    assert [r["rollout_id"] for r in replayed] == [0, 1]
+    for ours, theirs in zip(replayed, records, strict=True):
+        assert ours["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5, abs=1e-7)
+        assert ours["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-5)
+        assert "check/logprob_abs_diff" not in ours and "time/update_weights_s" not in ours
