@@ -190,6 +190,10 @@ def test_rollout_log_probs_are_required_where_a_setting_reads_them():
         trainer(BigramEngine(), tis).train(batch())
     with pytest.raises(ValueError, match=r"--off-policy-correction tis with --use-rollout"):
         trainer(BigramEngine(), tis, use_rollout_logprobs=True)
+    with pytest.raises(
+        ValueError, match=r"--use-rollout-logprobs has no effect with --loss-type sft"
+    ):
+        trainer(BigramEngine(), LossConfig(loss_type="sft_loss"), use_rollout_logprobs=True)
 
 
 def test_a_critic_estimator_is_refused_before_training():

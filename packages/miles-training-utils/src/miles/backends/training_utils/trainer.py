@@ -84,6 +84,11 @@ class PolicyTrainer:
                 "--use-rollout-logprobs compares the rollout log-probs with themselves (every "
                 "weight is 1); drop one of them"
             )
+        if use_rollout_logprobs and "old_log_probs" not in Algorithm.from_config(loss).inputs:
+            raise ValueError(
+                f"--use-rollout-logprobs has no effect with --loss-type {loss.loss_type}, which "
+                "reads no old-policy log-probs; drop the flag"
+            )
 
     # -- the rollout --------------------------------------------------------------------------
 
