@@ -49,7 +49,7 @@ def measure(
     placement = create_placement(plan, timeout_s=120)
     manager = ray.remote(RolloutManager).options(num_cpus=0).remote(config, placement, dp_size=1)
     try:
-        ray.get(manager.start_engines.remote())
+        ray.get([manager.start_engines.remote(), manager.load_data.remote()])
         ray.get(manager.generate.remote(0))  # warm-up: first-request costs, caches
         rates = []
         for rollout_id in range(1, args.rollouts + 1):

@@ -81,8 +81,9 @@ def engine_vs_trainer(actor, url: str, rank: int) -> dict:
 def _push_both_ways(rank: int, checkpoint: Path, url: str) -> dict:
     args = make_args(checkpoint, update_weight_buffer_size=BUFFER_BYTES)
     # Greedy log-probs are at T = 1.
-    args = args.with_paths(engine_urls=(url,), rollout_temperature=1.0)
+    args = args.with_paths(rollout_temperature=1.0)
     actor, _ = make_actor(rank, 2, args)
+    actor.connect_engines([url])
     if rank == 0:
         wait_healthy(url)
     results = {"before": engine_vs_trainer(actor, url, rank)}

@@ -47,7 +47,8 @@ def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> InitArgs:
 
 def point_at_engine(actor, url: str, *, colocate: bool = True) -> None:
     """Make the initialized `actor` push its weights to the engine at `url`."""
-    actor.spec = dataclasses.replace(actor.spec, engine_urls=(url,), colocate=colocate)
+    actor.spec = dataclasses.replace(actor.spec, colocate=colocate)
+    actor.connect_engines([url])
 
 
 def make_batch(seed: int, num_samples: int = 2 * GLOBAL_BATCH) -> dict[str, list]:

@@ -21,8 +21,8 @@ from miles.backends.sglang_utils.sglang_engine import (
     SGLangUnavailableError,
     build_launch_command,
     require_sglang,
-    sglang_args_from_cli,
 )
+from miles.backends.sglang_utils.sglang_flags import sglang_args_from_cli
 from miles.backends.training_utils.device import get_device_info
 
 # Stands in for `python -m sglang.launch_server`: spawns a child (as SGLang spawns its scheduler

@@ -47,7 +47,7 @@ def manager(tiny_checkpoint, prompt_file, tmp_path_factory):
     )  # fmt: skip
     placement = create_placement(plan, timeout_s=60)
     actor = ray.remote(RolloutManager).options(num_cpus=0).remote(config, placement, dp_size=2)
-    urls = ray.get(actor.start_engines.remote(), timeout=180)
+    urls, _ = ray.get([actor.start_engines.remote(), actor.load_data.remote()], timeout=180)
     yield actor, urls, config, placement
     ray.get(actor.dispose.remote(), timeout=120)
     remove_placement(placement)

@@ -33,7 +33,7 @@ def test_rollout_through_sglang_router_spreads_over_both_engines(tiny_checkpoint
     placement = create_placement(plan, timeout_s=60)
     manager = ray.remote(RolloutManager).options(num_cpus=0).remote(config, placement, dp_size=1)
     try:
-        urls = ray.get(manager.start_engines.remote(), timeout=180)
+        urls, _ = ray.get([manager.start_engines.remote(), manager.load_data.remote()], timeout=180)
         result = ray.get(manager.generate.remote(0), timeout=120)
         assert result["metrics"]["rollout/samples"] == 16
         router_url = ray.get(manager.__ray_call__.remote(lambda self: self.pool.router_url))

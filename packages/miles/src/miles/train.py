@@ -5,6 +5,7 @@
 The pieces live elsewhere (placement, rollout manager, train group, tracking); this module only
 decides their order. Async mode overlaps generating rollout N+1 with training on rollout N and
 waits for that generation before every weight update, so an update never meets a request in flight.
+The start-up's timings (`startup/*`) are logged with the first rollout's record.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def train(config: MilesConfig) -> dict[str, Any]:
 
 def train_sync(run: Run) -> dict[str, Any]:
     colocate, metrics = run.config.cluster.colocate, {}
-    run.initial_weight_update()
+    startup = run.initial_weight_update()
     run.evaluate_before_training()
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
         step_start = time.perf_counter()
@@ -43,14 +44,15 @@ def train_sync(run: Run) -> dict[str, Any]:
         updated = run.update_weights()
         evaluated = run.maybe_eval(rollout_id)
         step = {"time/step_s": time.perf_counter() - step_start}
-        merged = {**rollout.metrics, **check, **trained, **saved, **updated, **evaluated, **step}
-        metrics = run.finish_rollout(rollout_id, merged)
+        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
+                  **evaluated, **step}  # fmt: skip
+        metrics, startup = run.finish_rollout(rollout_id, merged), {}
     return metrics
 
 
 def train_async(run: Run) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
-    run.initial_weight_update()
+    startup = run.initial_weight_update()
     run.evaluate_before_training()
     pending = run.start_generate(run.start_rollout_id)
     for rollout_id in range(run.start_rollout_id, run.num_rollout):
@@ -67,6 +69,7 @@ def train_async(run: Run) -> dict[str, Any]:
         updated = run.update_weights()
         evaluated = run.maybe_eval(rollout_id)
         step = {"time/step_s": time.perf_counter() - step_start}
-        merged = {**rollout.metrics, **check, **trained, **saved, **updated, **evaluated, **step}
-        metrics = run.finish_rollout(rollout_id, merged)
+        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
+                  **evaluated, **step}  # fmt: skip
+        metrics, startup = run.finish_rollout(rollout_id, merged), {}
     return metrics

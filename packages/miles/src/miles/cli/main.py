@@ -6,7 +6,6 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from miles.backends.training_utils.device import get_device_info
 from miles.cli.commands import run_export_hf, run_plot, run_train
 from miles.utils.plugins import ROLLOUT_ENGINES, TRAIN_BACKENDS, installed_plugins
 
@@ -25,6 +24,9 @@ def installed_wheel_versions() -> dict[str, str]:
 
 
 def _print_info(_: argparse.Namespace) -> int:
+    # Imported here: the device module imports torch, which `miles --help` must not wait for.
+    from miles.backends.training_utils.device import get_device_info
+
     device = get_device_info()
     print(f"device: {device.kind} x{device.count} (distributed backend: {device.dist_backend})")
     for wheel, ver in installed_wheel_versions().items():

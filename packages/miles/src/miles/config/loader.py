@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from miles.backends.sglang_utils.sglang_engine import sglang_args_from_cli
+from miles.backends.sglang_utils.sglang_flags import sglang_args_from_cli
 from miles.config.groups import ClusterConfig
 from miles.config.options import Option, convert
 from miles.config.schema import BACKEND_GROUP, CORE_GROUPS, MilesConfig, Schema

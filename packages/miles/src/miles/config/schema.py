@@ -28,8 +28,8 @@ from miles.config.options import Option, dataclass_options
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement_plan import plan_for_cluster
 from miles.rollout.data_source import DataSourceConfig
-from miles.rollout.generate import RolloutConfig
 from miles.rollout.rewards import RewardConfig
+from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.plugins import TRAIN_BACKEND_ARGS, load_plugin
 
 CORE_GROUPS: dict[str, type] = {

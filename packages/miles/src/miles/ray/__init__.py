@@ -19,7 +19,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    name: "miles.ray.train_actor" for name in ("ROLES", "Role", "TrainRayActor", "TrainRunSpec")
+    **{name: "miles.ray.train_actor" for name in ("ROLES", "Role", "TrainRayActor")},
+    "TrainRunSpec": "miles.ray.run_spec",
 }
 
 __all__ = sorted(_EXPORTS)

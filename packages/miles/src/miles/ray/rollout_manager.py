@@ -5,19 +5,22 @@ fronts them with sglang-router or the built-in least-loaded balancer, and per ro
 rollout function -> rewards -> reward shaping -> columnar train data, one shard per data-parallel
 rank, put in the Ray object store. It also evaluates, offloads/onloads engines, saves the
 data-source state, and `dispose()` stops every process it started.
+
+Start-up order: `start_engines` launches the engine processes first, and while they load their
+model `load_data` reads the tokenizer and the prompts. The heavy imports (transformers, torch) are
+made there, not at the top of this module, so the engines' launch waits for none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer
 
 import ray
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
@@ -31,7 +34,6 @@ from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
-from miles.rollout.train_data import build_train_data, eval_metrics, rollout_metrics
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
 
@@ -84,6 +86,15 @@ def engine_launch_spec(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prompts:
+    """What `load_data` read: the training prompts, served in order, and the eval prompts."""
+
+    dataset: PromptDataset
+    source: RolloutDataSource
+    eval_sources: dict[str, tuple[PromptDataset, DataSourceConfig]]
+
+
 class RolloutManager:
     """Everything between "rollout N starts" and "train data of rollout N is in the object store".
 
@@ -95,22 +106,51 @@ class RolloutManager:
         self.config = config
         self.placement = placement
         self.dp_size = dp_size
-        tokenizer = AutoTokenizer.from_pretrained(config.checkpoint.hf_checkpoint)
-        dataset = PromptDataset(config.data, tokenizer)
-        self.data_source = RolloutDataSource(dataset, config.data)
-        self.dataset_size = len(dataset)
-        self.eval_sources = self._eval_sources(tokenizer)
         self.reward_hub = RewardHub(config.reward)
         # The built-in rollout is this flag's default: it is loaded and called like a custom one.
         self.rollout_function = load_function(
             config.rollout.rollout_function_path, ROLLOUT_FUNCTION_FLAG
         )
+        self._data: _Prompts | None = None
         self.engine_actors: list[Any] = []
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
         self.pool: EnginePool | None = None
+        self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
+
+    def load_data(self) -> int:
+        """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
+
+        Called once, after `start_engines` (whose engines load their model meanwhile)."""
+        if self._data is not None:
+            return len(self._data.dataset)
+        start = time.perf_counter()
+        from transformers import AutoTokenizer  # seconds of imports: see the module docstring
+
+        tokenizer = AutoTokenizer.from_pretrained(self.config.checkpoint.hf_checkpoint)
+        dataset = PromptDataset(self.config.data, tokenizer)
+        self._data = _Prompts(
+            dataset=dataset,
+            source=RolloutDataSource(dataset, self.config.data),
+            eval_sources=self._eval_sources(tokenizer),
+        )
+        self.startup_seconds["data"] = time.perf_counter() - start
+        return len(dataset)
+
+    @property
+    def data_source(self) -> RolloutDataSource:
+        return self._loaded().source
+
+    @property
+    def eval_sources(self) -> dict[str, tuple[PromptDataset, DataSourceConfig]]:
+        return self._loaded().eval_sources
+
+    def _loaded(self) -> _Prompts:
+        if self._data is None:
+            raise RuntimeError("the rollout manager has no prompts yet: call load_data() first")
+        return self._data
 
     def _eval_sources(self, tokenizer: Any) -> dict[str, tuple[PromptDataset, DataSourceConfig]]:
         sources = {}
@@ -136,7 +176,7 @@ class RolloutManager:
         num_engines = len(self.placement.plan.engine_bundles) if self.placement else 1
         log_dir = Path(config.engine.engine_log_dir or Path(config.logging.output_dir) / "engines")
         log_dir.mkdir(parents=True, exist_ok=True)
-        starts = []
+        start, starts = time.perf_counter(), []
         for i in range(num_engines):
             actor = self._engine_actor(i, has_gpus)
             devices = self.placement.engine_devices(i) if self.placement else None
@@ -146,6 +186,7 @@ class RolloutManager:
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
         self.engine_urls = list(await asyncio.gather(*starts))
         self._start_balancing()
+        self.startup_seconds["engines"] = time.perf_counter() - start
         return list(self.engine_urls)
 
     def _engine_actor(self, index: int, has_gpus: bool) -> Any:
@@ -180,8 +221,9 @@ class RolloutManager:
     def get_engine_urls(self) -> list[str]:
         return list(self.engine_urls)
 
-    def get_dataset_size(self) -> int:
-        return self.dataset_size
+    def get_startup_seconds(self) -> dict[str, float]:
+        """How long `start_engines` and `load_data` took (each measured here, where it ran)."""
+        return dict(self.startup_seconds)
 
     # -- one rollout -------------------------------------------------------------------------
 
@@ -195,6 +237,9 @@ class RolloutManager:
         unscored = [g for g in groups if any(s.reward is None for s in g)]
         if unscored:  # a custom rollout function may leave scoring to the hub
             await self._score(unscored)
+        # torch, imported on the first rollout rather than before the engines' launch.
+        from miles.rollout.train_data import build_train_data, rollout_metrics
+
         shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
         metrics.update(rollout_metrics(groups))
         metrics.update(self._reward_metrics)
@@ -231,6 +276,8 @@ class RolloutManager:
     async def eval(self, rollout_id: int) -> dict[str, float]:
         """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once)."""
         assert self.pool is not None, "start_engines() before eval()"
+        from miles.rollout import train_data  # torch: see generate()
+
         metrics: dict[str, float] = {}
         for name, (dataset, data_config) in self.eval_sources.items():
             # A fresh source per evaluation: every prompt once, in file order.
@@ -239,7 +286,7 @@ class RolloutManager:
             output = await generate_groups(
                 self.pool, source, self.reward_hub.score_groups, eval_config, rollout_id=rollout_id
             )
-            metrics.update(eval_metrics(output.groups, name))
+            metrics.update(train_data.eval_metrics(output.groups, name))
         return metrics
 
     def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 import ray
 
 
@@ -83,6 +81,8 @@ class ReplayedRollouts:
                 f"--load-debug-rollout-data {self.pattern}); save rollouts first with "
                 "--save-debug-rollout-data"
             )
+        import torch  # saved rollouts are torch files; only a replaying driver imports torch
+
         shards = torch.load(path, weights_only=False)["shards"]
         if len(shards) != self.dp_size:
             raise ValueError(
@@ -100,4 +100,6 @@ def save_rollout(pattern: str, rollout: Rollout) -> None:
     """Write `rollout`'s shards where `ReplayedRollouts(pattern)` finds them."""
     path = Path(pattern.format(rollout_id=rollout.rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
+    import torch  # only a driver that saves its rollouts imports torch
+
     torch.save({"rollout_id": rollout.rollout_id, "shards": ray.get(list(rollout.data))}, path)

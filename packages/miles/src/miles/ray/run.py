@@ -13,8 +13,6 @@ import os
 import time
 from typing import Any
 
-import torch
-
 import ray
 from miles.backends.training_utils.algorithms import loss_spec
 from miles.config.schema import MilesConfig
@@ -29,10 +27,11 @@ from miles.ray.rollout_source import (
     RolloutSource,
     save_rollout,
 )
-from miles.ray.train_actor import TrainRunSpec
+from miles.ray.run_spec import TrainRunSpec
+from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
-from miles.utils.plugins import TRAIN_BACKENDS, load_plugin
+from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
 from miles.utils.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -48,6 +47,7 @@ class Run:
         self.placement: Placement | None = None
         self.rollout_manager: Any = None
         self.rollouts: RolloutSource | None = None
+        self._startup_clock: StartupClock | None = None
         self.engine_urls: list[str] = []
         self.trainers: RayTrainGroup | None = None
         self.tracker: Tracker | None = None
@@ -75,57 +75,63 @@ class Run:
         self.close()
 
     def _start(self) -> None:
+        """Start everything, overlapping what can overlap: the engine processes load their model
+        while the rollout manager reads the prompts and the train ranks build theirs."""
         config, cluster, training = self.config, self.config.cluster, self.config.training
-        self.placement, has_gpus = self._reserve_placement()
+        clock = StartupClock()
+        with clock.phase("ray"):
+            has_gpus = self._join_ray()
+        with clock.phase("placement"):
+            self.placement = create_placement(plan_for_cluster(cluster, use_gpus=has_gpus))
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
-        self.rollout_manager = manager_class.remote(config, self.placement, dp_size=dp_size)
-        dataset_size = ray.get(self.rollout_manager.get_dataset_size.remote())
-        self.num_rollout = config.resolve_num_rollout(dataset_size)
-        if training.debug_train_only:
-            assert training.load_debug_rollout_data, "checked by TrainingConfig"
-            self.rollouts = ReplayedRollouts(training.load_debug_rollout_data, dp_size=dp_size)
-        else:
-            self.engine_urls = ray.get(self.rollout_manager.start_engines.remote())
-            self.rollouts = EngineRollouts(self.rollout_manager)
-        engine_urls = self.engine_urls
-        # Colocated engines took the shared devices when they started: they free them while the
+        manager = manager_class.remote(config, self.placement, dp_size=dp_size)
+        self.rollout_manager = manager
+        engines = None if training.debug_train_only else manager.start_engines.remote()
+        dataset_size = manager.load_data.remote()
+        train = not training.debug_rollout_only
+        # Colocated engines take the shared devices when they start: they free them while the
         # trainer builds its model and optimizer, and get them back (the trainer asleep) before
         # the first weight update and generation.
-        share_devices = cluster.colocate and bool(engine_urls) and not training.debug_rollout_only
-        if share_devices:
-            ray.get(self.rollout_manager.offload.remote())
-        if not training.debug_rollout_only:
+        share_devices = cluster.colocate and engines is not None and train
+        trainers_began = time.perf_counter()
+        if train:
+            # The rank processes start now, beside the engines.
             self.trainers = RayTrainGroup(
-                load_plugin(TRAIN_BACKENDS, cluster.train_backend),
+                plugin_path(TRAIN_BACKENDS, cluster.train_backend),
                 self.placement,
                 world_size=dp_size,
                 colocate=cluster.colocate,
                 has_gpus=has_gpus,
                 cpus_per_bundle=cluster.cpus_per_bundle,
             )
-            spec = TrainRunSpec.from_config(
-                config, num_rollout=self.num_rollout, engine_urls=engine_urls
-            )
+        self.num_rollout = config.resolve_num_rollout(ray.get(dataset_size))
+        if share_devices:
+            self.engine_urls = ray.get(engines)
+            ray.get(manager.offload.remote())
+        if self.trainers is not None:
+            spec = TrainRunSpec.from_config(config, num_rollout=self.num_rollout)
             assert config.backend is not None, "the schema adds the chosen backend's group"
             self.start_rollout_id = self.trainers.init(spec, config.algorithm, config.backend)
+            clock.record({"trainers": time.perf_counter() - trainers_began})
+            clock.record(self.trainers.startup_seconds())
             if self.trainers.dp_size != dp_size:
                 raise RuntimeError(
                     f"the {cluster.train_backend} backend formed {self.trainers.dp_size} "
                     f"data-parallel replicas, but the rollout was split for {dp_size}"
                 )
+        if engines is not None:
+            self.engine_urls = ray.get(engines)
+            self.rollouts = EngineRollouts(manager)
+            if self.trainers is not None:
+                self.trainers.connect_engines(self.engine_urls)
+        else:
+            assert training.load_debug_rollout_data, "checked by TrainingConfig"
+            self.rollouts = ReplayedRollouts(training.load_debug_rollout_data, dp_size=dp_size)
         if share_devices:
             self.offload_trainer_and_onload_engines()
-        resumed = ray.get(self.rollout_manager.load.remote())
-        if self.trainers is not None and resumed is not None:
-            if resumed + 1 != self.start_rollout_id:
-                raise RuntimeError(
-                    f"the trainer resumes at rollout {self.start_rollout_id} but the rollout state "
-                    f"in {config.checkpoint.load} is of rollout {resumed}; use a --load directory "
-                    "written by one run"
-                )
-        elif resumed is not None:
-            self.start_rollout_id = resumed + 1
+        clock.record(ray.get(manager.get_startup_seconds.remote()))
+        self._resume_rollout_state()
         self.tracker = Tracker(
             config.logging.output_dir,
             use_tensorboard=config.logging.use_tensorboard,
@@ -137,23 +143,38 @@ class Run:
             resume_from=self.start_rollout_id,
         )
         self.console = ConsoleView(self.num_rollout, config.logging.console)
+        self._startup_clock = clock
         logger.info(
             "run: rollouts %d..%d of %d, %d train rank(s), %d engine(s)",
-            self.start_rollout_id, self.num_rollout - 1, self.num_rollout, dp_size, len(engine_urls),
+            self.start_rollout_id, self.num_rollout - 1, self.num_rollout, dp_size,
+            len(self.engine_urls),
         )  # fmt: skip
 
-    def _reserve_placement(self) -> tuple[Placement, bool]:
-        """Join (or start) Ray and reserve the run's bundles; also whether the cluster has GPUs."""
-        # A local start gets this machine's devices; on CPU a bundle is a worker slot, not a
-        # core, so a laptop with 2 cores still runs 3 slots.
-        plan = plan_for_cluster(self.config.cluster, use_gpus=torch.cuda.is_available())
-        needed_cpus = int(plan.total_resources().get("CPU", 0) + 1)
+    def _resume_rollout_state(self) -> None:
+        """The rollout manager's data-source state from --load, checked against the trainer's."""
+        resumed = ray.get(self.rollout_manager.load.remote())
+        if self.trainers is not None and resumed is not None:
+            if resumed + 1 != self.start_rollout_id:
+                raise RuntimeError(
+                    f"the trainer resumes at rollout {self.start_rollout_id} but the rollout state "
+                    f"in {self.config.checkpoint.load} is of rollout {resumed}; use a --load "
+                    "directory written by one run"
+                )
+        elif resumed is not None:
+            self.start_rollout_id = resumed + 1
+
+    def _join_ray(self) -> bool:
+        """Join (or start) Ray; whether the cluster has GPUs."""
+        # A local start gets this machine's devices, detected by Ray (asking torch would import
+        # it, seconds, in a driver that never needs it). On CPU a bundle is a worker slot, not a
+        # core, so a laptop with 2 cores still runs 3 slots: start enough for either plan.
+        cluster = self.config.cluster
+        needed_cpus = 1 + max(
+            int(plan_for_cluster(cluster, use_gpus=gpus).total_resources().get("CPU", 0))
+            for gpus in (False, True)
+        )
         init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        if has_gpus != ("GPU" in plan.total_resources()):
-            # A joined cluster's devices are not this driver's (e.g. a CPU-only head node).
-            plan = plan_for_cluster(self.config.cluster, use_gpus=has_gpus)
-        return create_placement(plan), has_gpus
+        return ray.cluster_resources().get("GPU", 0) > 0
 
     def close(self) -> None:
         """Stop every process of the run; safe to call after a failed start."""
@@ -183,12 +204,16 @@ class Run:
         if self.console is not None:
             self.console.update(name, rollout_id)
 
-    def initial_weight_update(self) -> None:
+    def initial_weight_update(self) -> dict[str, float]:
         """Engines start from --hf-checkpoint; a resumed trainer holds newer weights, and the
-        first update also sets every engine's weight version to the trainer's."""
+        first update also sets every engine's weight version to the trainer's. It ends the
+        start-up: returns the start-up's metrics (`StartupClock`) for the first rollout's record."""
+        assert self._startup_clock is not None, "entered Run"
         if self.trainers is not None and self.engine_urls:
             self._phase("initial weight update")
-            self.update_weights()
+            with self._startup_clock.phase("first_weight_update"):
+                self.update_weights()
+        return self._startup_clock.finish()
 
     def generate(self, rollout_id: int) -> Rollout:
         return self.wait_generate(self.start_generate(rollout_id))

@@ -13,9 +13,8 @@ import abc
 import datetime
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,9 +27,7 @@ from miles.backends.training_utils.rollout_data import RolloutBatch
 from miles.backends.training_utils.train_engine import TrainEngine
 from miles.backends.training_utils.trainer import PolicyTrainer
 from miles.config.trainer_args import TrainerArgs
-
-if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+from miles.ray.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,53 +36,6 @@ ROLES: tuple[str, ...] = ("actor", "critic")
 
 # How long a rank waits in init_process_group for the others (slow first imports on big clusters).
 DEFAULT_TIMEOUT_S = 1800.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainRunSpec:
-    """What the loop knows that a training rank needs, besides the loss and the backend's args."""
-
-    hf_checkpoint: str
-    """The Hugging Face checkpoint the run starts from (also the tokenizer of HF exports)."""
-    rollout_temperature: float
-    """Sampling temperature of the engines: log-probs are taken at the same temperature."""
-    global_batch_size: int
-    """Samples per optimizer step, over all data-parallel replicas."""
-    num_rollout: int
-    """Rollouts of the whole run."""
-    num_steps_per_rollout: int
-    """Optimizer steps per rollout."""
-    engine_urls: tuple[str, ...] = ()
-    """The rollout engines the weights are pushed to (empty: no engines, e.g. replayed data)."""
-    colocate: bool = False
-    """Engines share the train devices (weights travel by CUDA IPC / shared memory)."""
-    save: str | None = None
-    """Checkpoint directory (--save)."""
-    load: str | None = None
-    """Directory to resume from (--load)."""
-
-    @property
-    def total_optimizer_steps(self) -> int:
-        """Optimizer steps of the whole run (the default length of a decaying schedule)."""
-        return self.num_rollout * self.num_steps_per_rollout
-
-    @classmethod
-    def from_config(
-        cls, config: MilesConfig, *, num_rollout: int, engine_urls: list[str]
-    ) -> TrainRunSpec:
-        training = config.training
-        assert training.global_batch_size and training.num_steps_per_rollout, "derived by then"
-        return cls(
-            hf_checkpoint=config.checkpoint.hf_checkpoint,
-            rollout_temperature=config.rollout.rollout_temperature,
-            global_batch_size=training.global_batch_size,
-            num_rollout=num_rollout,
-            num_steps_per_rollout=training.num_steps_per_rollout,
-            engine_urls=tuple(engine_urls),
-            colocate=config.cluster.colocate,
-            save=config.checkpoint.save,
-            load=config.checkpoint.load,
-        )
 
 
 class TrainRayActor(abc.ABC):
@@ -118,6 +68,7 @@ class TrainRayActor(abc.ABC):
         self.engine: TrainEngine | None = None
         self.trainer: PolicyTrainer | None = None
         self.weight_version = 0
+        self.engine_urls: tuple[str, ...] = ()
         self._updater: WeightUpdater | None = None
         self._asleep = False
 
@@ -267,17 +218,23 @@ class TrainRayActor(abc.ABC):
         self._require_awake("export_hf")
         self._engine.export_hf(path)
 
+    def connect_engines(self, engine_urls: list[str]) -> None:
+        """The rollout engines the weights are pushed to. The loop starts the engines beside the
+        trainers and calls this once they answer, before the first weight update."""
+        self.close()  # a new set of engines needs a new weight-update group
+        self.engine_urls = tuple(engine_urls)
+
     def update_weights(self) -> None:
         """Push the weights to every engine as the next weight version (all ranks call this)."""
-        if not self.spec.engine_urls:
+        if not self.engine_urls:
             raise ValueError(
-                "update_weights() has no engine to update: the run has no engine URLs (replayed "
-                "rollouts, or engines that did not start)"
+                "update_weights() has no engine to update: connect_engines() was not called "
+                "with any URL (replayed rollouts, or engines that did not start)"
             )
         engine = self._engine
         if self._updater is None:
             self._updater = make_weight_updater(
-                engine.named_weights, engine_urls=list(self.spec.engine_urls), rank=self.rank,
+                engine.named_weights, engine_urls=list(self.engine_urls), rank=self.rank,
                 world_size=self.world_size, colocate=self.spec.colocate,
                 buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
                 master_address=self.master_addr, group_name=f"miles-{self.backend_name}-weights",

@@ -3,20 +3,26 @@
 Every call goes to every rank (most are collectives) and waits for all of them; rank 0's answer is
 returned. Rank r sits in the placement bundle of train rank r; rank 0's node address and a free port
 there are found first, because every rank needs them to join the process group.
+
+Each rank's Ray actor is a `TrainRank`, which builds the backend's `TrainRayActor` inside its own
+process from the class's import path: the driver never imports a backend (its actor module brings
+torch and the model code, seconds of imports before the first rollout).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Any
 
 import ray
+from miles.backends.training_utils.import_path import load_object
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE
-from miles.ray.train_actor import TrainRunSpec
+from miles.ray.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +36,39 @@ def _master_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+class TrainRank:
+    """One rank's Ray actor: it builds the backend's `TrainRayActor` in this process and runs the
+    group's calls on it."""
+
+    def __init__(self, actor_class: type | str, *args: Any) -> None:
+        start = time.perf_counter()
+        if isinstance(actor_class, str):
+            actor_class = load_object(actor_class, "--train-backend")
+        self.actor = actor_class(*args)
+        self.startup_seconds = {"trainer_imports": time.perf_counter() - start}
+
+    def init(self, *args: Any, **kwargs: Any) -> int:
+        """`TrainRayActor.init`, timed: the model, optimizer and process group's build."""
+        start = time.perf_counter()
+        try:
+            return self.actor.init(*args, **kwargs)
+        finally:
+            self.startup_seconds["trainer_build"] = time.perf_counter() - start
+
+    def get_startup_seconds(self) -> dict[str, float]:
+        return dict(self.startup_seconds)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.actor, method)(*args, **kwargs)
+
+
 class RayTrainGroup:
-    """`world_size` actors of `actor_class` (a TrainRayActor subclass) placed by `placement`."""
+    """`world_size` ranks of `actor_class` (a TrainRayActor subclass, or its "module:Class" path:
+    the registered backend's, `plugins.plugin_path`) placed by `placement`."""
 
     def __init__(
         self,
-        actor_class: type,
+        actor_class: type | str,
         placement: Placement,
         *,
         world_size: int,
@@ -47,25 +80,29 @@ class RayTrainGroup:
         master_addr, master_port = ray.get(
             _master_address.options(scheduling_strategy=placement.actor_scheduling(0)).remote()
         )
-        remote_class = ray.remote(actor_class)
+        remote_class = ray.remote(TrainRank)
         self.actors = [
             remote_class.options(
                 num_cpus=share * cpus_per_bundle,
                 num_gpus=share if has_gpus else 0,
                 scheduling_strategy=placement.actor_scheduling(rank),
-            ).remote(rank, world_size, master_addr, master_port)
+            ).remote(actor_class, rank, world_size, master_addr, master_port)
             for rank in range(world_size)
         ]
         self.world_size = world_size
         # Which rollout shard each rank trains on; known from the backend after `init`.
         self.dp_ranks = list(range(world_size))
+        name = actor_class if isinstance(actor_class, str) else actor_class.__name__
         logger.info(
-            "train group of %d %s actor(s); rank 0 at %s:%d",
-            world_size, actor_class.__name__, master_addr, master_port,
-        )  # fmt: skip
+            "train group of %d %s rank(s); rank 0 at %s:%d",
+            world_size,
+            name,
+            master_addr,
+            master_port,
+        )
 
     def _all(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        return [getattr(actor, method).remote(*args) for actor in self.actors]
+        return [actor.call.remote(method, *args) for actor in self.actors]
 
     def init(
         self,
@@ -96,6 +133,10 @@ class RayTrainGroup:
         self.dp_ranks = dp_ranks
         return starts[0]
 
+    def startup_seconds(self) -> dict[str, float]:
+        """Rank 0's import and build times, measured in its process (`TrainRank`)."""
+        return ray.get(self.actors[0].get_startup_seconds.remote())
+
     @property
     def dp_size(self) -> int:
         """Model replicas: the number of rollout shards one train call takes."""
@@ -114,7 +155,9 @@ class RayTrainGroup:
         """Start training every rank on its replica's shard of `data`; returns the calls'
         references."""
         shards = self._shards(data)
-        return [a.train.remote(rollout_id, d) for a, d in zip(self.actors, shards, strict=True)]
+        return [
+            a.call.remote("train", rollout_id, d) for a, d in zip(self.actors, shards, strict=True)
+        ]
 
     def train(self, rollout_id: int, data: list[ray.ObjectRef]) -> Any:
         return ray.get(self.async_train(rollout_id, data))[0]
@@ -122,7 +165,7 @@ class RayTrainGroup:
     def logprob_gap(self, data: list[ray.ObjectRef]) -> float:
         """Mean |trainer - engine| log-prob over the response tokens of `data` (no training)."""
         shards = self._shards(data)
-        calls = [a.logprob_gap.remote(d) for a, d in zip(self.actors, shards, strict=True)]
+        calls = [a.call.remote("logprob_gap", d) for a, d in zip(self.actors, shards, strict=True)]
         return ray.get(calls)[0]
 
     def call(self, method: str, *args: Any) -> Any:
@@ -131,6 +174,10 @@ class RayTrainGroup:
 
     def save_model(self, rollout_id: int) -> None:
         self.call("save_model", rollout_id)
+
+    def connect_engines(self, engine_urls: list[str]) -> None:
+        """The engines every rank pushes its weights to (see `TrainRayActor.connect_engines`)."""
+        self.call("connect_engines", engine_urls)
 
     def update_weights(self) -> None:
         self.call("update_weights")

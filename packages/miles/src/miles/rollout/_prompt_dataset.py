@@ -12,9 +12,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,10 @@ class PromptDataset:
 
 
 def _read_table(path: Path) -> datasets.Dataset:
+    # Imported here: `datasets` (with pandas and pyarrow) takes seconds to import, and the
+    # configuration imports this module for DataSourceConfig.
+    import datasets
+
     if not path.is_file():
         raise FileNotFoundError(
             f"--prompt-data {str(path)!r} does not exist or is not a file; "

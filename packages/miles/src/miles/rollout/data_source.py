@@ -17,8 +17,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from miles.backends.training_utils.sample import Sample
 from miles.rollout._prompt_dataset import DataSourceConfig, PromptDataset, PromptRecord
 
@@ -134,6 +132,8 @@ class RolloutDataSource:
         n = len(self._dataset)
         if not self._config.rollout_shuffle:
             return list(range(n))
+        import torch  # here, not at the top: the configuration imports this module
+
         # A fresh CPU generator per epoch: the order depends on nothing but the seed and epoch.
         generator = torch.Generator().manual_seed(self._config.rollout_seed + epoch)
         return torch.randperm(n, generator=generator).tolist()

@@ -42,11 +42,21 @@ def installed_plugins(group: str) -> dict[str, EntryPoint]:
 
 def load_plugin(group: str, name: str) -> Any:
     """Load the object that the installed wheel registered as `name` in `group`."""
+    return _entry_point(group, name).load()
+
+
+def plugin_path(group: str, name: str) -> str:
+    """The "module:attribute" path that the installed wheel registered as `name` in `group`,
+    without importing it (for a process that only hands the path on to another)."""
+    return _entry_point(group, name).value
+
+
+def _entry_point(group: str, name: str) -> EntryPoint:
     if group not in KNOWN_PLUGINS:
         raise ValueError(f"unknown plugin group {group!r}; expected one of {sorted(KNOWN_PLUGINS)}")
     installed = installed_plugins(group)
     if name in installed:
-        return installed[name].load()
+        return installed[name]
     flag = _FLAG[group]
     wheel = KNOWN_PLUGINS[group].get(name)
     if wheel is not None:

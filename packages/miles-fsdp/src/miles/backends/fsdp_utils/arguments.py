@@ -17,7 +17,6 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from miles.backends.training_utils.device import get_device_info
 from miles.config.options import convert
 from miles.config.options import flag_name as _flag
 from miles.config.trainer_args import TrainerArgs
@@ -84,6 +83,9 @@ def _check_unsupported(args: FSDPArgs) -> None:
 
 
 def _check_flash_attention() -> None:
+    # Imported here: the device module imports torch, which reading the config must not.
+    from miles.backends.training_utils.device import get_device_info
+
     kind = get_device_info().kind
     # ROCm builds of PyTorch run flash-attn through the same "cuda" device type.
     if kind not in ("cuda", "rocm"):

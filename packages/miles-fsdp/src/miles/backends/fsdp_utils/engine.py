@@ -36,7 +36,7 @@ from miles.backends.training_utils.train_engine import (
     MicroBatchLoss,
     OptimizerStepResult,
 )
-from miles.ray.train_actor import TrainRunSpec
+from miles.ray.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
 

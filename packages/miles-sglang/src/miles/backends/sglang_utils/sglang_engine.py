@@ -11,20 +11,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.backends.sglang_utils.client import SyncEngineClient
 from miles.backends.sglang_utils.router import add_worker, remove_worker
 from miles.backends.sglang_utils.server_process import ServerProcess
-from miles.backends.training_utils.device import get_device_info
+from miles.backends.sglang_utils.sglang_flags import SGLANG_FLAG_PREFIX, SGLangFlagValue
 
 logger = logging.getLogger(__name__)
 
-SGLANG_FLAG_PREFIX = "--sglang-"
-SGLangFlagValue = str | bool | list[str]
-"""A flag's value: True for a bare switch (False omits it), a list for multi-value flags."""
 _GPU_KINDS = ("cuda", "rocm")
 # SGLang flags that SGLangEngineConfig sets itself, with the field that owns each.
 _OWNED_FLAGS = {
@@ -46,6 +42,10 @@ class SGLangUnavailableError(ImportError):
 
 def require_sglang() -> None:
     """Raise SGLangUnavailableError unless SGLang is installed and a CUDA or ROCm GPU is present."""
+    # Imported here: the device module imports torch, which the engine's Ray actor (it only
+    # starts the server process) otherwise never needs.
+    from miles.backends.training_utils.device import get_device_info
+
     installed = importlib.util.find_spec("sglang") is not None
     kind = get_device_info().kind
     if installed and kind in _GPU_KINDS:
@@ -56,45 +56,6 @@ def require_sglang() -> None:
         "reference on CPU "
         f"(found: sglang {'installed' if installed else 'not installed'}, device {kind})"
     )
-
-
-def sglang_args_from_cli(
-    argv: list[str], *, miles_flags: Collection[str] = ()
-) -> tuple[dict[str, SGLangFlagValue], list[str]]:
-    """Split `--sglang-<flag> [values]` out of argv: ({flag: value}, the remaining argv).
-
-    A flag takes the tokens up to the next `--...` token: none is a switch (True), one a string,
-    several a list; `--sglang-flag=value` takes exactly one. `miles_flags` names `--sglang-*`
-    flags that belong to miles itself (e.g. `--sglang-router-port`): they stay in the remaining
-    argv. Everything after a bare `--` is left alone.
-    """
-    flags: dict[str, SGLangFlagValue] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            rest.extend(argv[i:])
-            break
-        i += 1
-        if not token.startswith(SGLANG_FLAG_PREFIX) or token.split("=")[0] in miles_flags:
-            rest.append(token)
-            continue
-        name, has_inline, inline = token[len(SGLANG_FLAG_PREFIX) :].partition("=")
-        name = name.replace("_", "-")  # SGLang's argparse spells every flag with dashes
-        if not name or name.startswith("-"):
-            raise ValueError(f"{token!r} names no SGLang flag; write {SGLANG_FLAG_PREFIX}<flag>")
-        if name in flags:
-            raise ValueError(f"{SGLANG_FLAG_PREFIX}{name} is given twice; keep one")
-        if has_inline:
-            flags[name] = inline
-            continue
-        values: list[str] = []
-        while i < len(argv) and not argv[i].startswith("--"):
-            values.append(argv[i])
-            i += 1
-        flags[name] = True if not values else values[0] if len(values) == 1 else values
-    return flags, rest
 
 
 @dataclass(kw_only=True)

@@ -14,47 +14,33 @@ Losses and advantage estimators are registered once, in `algorithms` (`LOSSES`, 
 Modules: `trainer`, `train_engine`, `algorithms`, `loss`, `loss_config`, `advantages`,
 `ppo_utils` (formulas), `logprobs`, `sample`, `rollout_data`, `balance`, `micro_batch`,
 `packing`, `data`, `parallel`, `log_utils`, `import_path`, `ci_utils`, `device`.
+
+The names below resolve on first use: importing a light submodule (`import_path`, `sample`,
+`loss_config`, `algorithms`) must not import torch, which costs seconds in every process.
 """
 
-from miles.backends.training_utils.algorithms import (
-    ESTIMATORS,
-    LOSSES,
-    Algorithm,
-    EstimatorSpec,
-    LossSpec,
-    compute_advantages_and_returns,
-    shape_rewards,
-)
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.loss import LossNormalizer, policy_loss, sft_loss
-from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.sample import Sample, SampleStatus
-from miles.backends.training_utils.train_engine import (
-    LoadedCheckpoint,
-    MicroBatchLoss,
-    OptimizerStepResult,
-    TrainEngine,
-)
-from miles.backends.training_utils.trainer import PolicyTrainer
+import importlib
+from typing import Any
 
-__all__ = [
-    "ESTIMATORS",
-    "LOSSES",
-    "Algorithm",
-    "EstimatorSpec",
-    "LoadedCheckpoint",
-    "LossConfig",
-    "LossNormalizer",
-    "LossSpec",
-    "MicroBatchLoss",
-    "OptimizerStepResult",
-    "PolicyTrainer",
-    "Sample",
-    "SampleStatus",
-    "TrainEngine",
-    "compute_advantages_and_returns",
-    "get_log_probs_and_entropy",
-    "policy_loss",
-    "sft_loss",
-    "shape_rewards",
-]
+_EXPORTS = {
+    "algorithms": (
+        "ESTIMATORS", "LOSSES", "Algorithm", "EstimatorSpec", "LossSpec",
+        "compute_advantages_and_returns", "shape_rewards",
+    ),
+    "logprobs": ("get_log_probs_and_entropy",),
+    "loss": ("LossNormalizer", "policy_loss", "sft_loss"),
+    "loss_config": ("LossConfig",),
+    "sample": ("Sample", "SampleStatus"),
+    "train_engine": ("LoadedCheckpoint", "MicroBatchLoss", "OptimizerStepResult", "TrainEngine"),
+    "trainer": ("PolicyTrainer",),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_MODULE_OF[name]}")
+    return getattr(module, name)

@@ -8,6 +8,9 @@ log-probs never runs the reference model. A user's function given by
 
 Adding a built-in loss: write the function (in `loss.py`), add one `LossSpec` to `LOSSES`, add
 one test (docs/guides/adding-a-loss.md).
+
+Built-in entries name their functions by import path, resolved on first use: reading the registry
+(config validation, the driver, `--help`) imports no torch.
 """
 
 from __future__ import annotations
@@ -16,13 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch import Tensor
-
-from miles.backends.training_utils import advantages as adv
-from miles.backends.training_utils.import_path import ImportPathError, load_object
-from miles.backends.training_utils.loss import LossNormalizer, policy_loss, sft_loss
+from miles.backends.training_utils.import_path import (
+    ImportPathError,
+    load_function,
+    load_object,
+    split_import_path,
+)
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from miles.backends.training_utils.advantages import Advantages
+    from miles.backends.training_utils.loss import LossNormalizer
     from miles.backends.training_utils.loss_config import LossConfig
 
 BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "values"]
@@ -38,13 +46,18 @@ BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "adv
 """
 BATCH_INPUTS: frozenset[str] = frozenset(BatchInput.__args__)  # type: ignore[attr-defined]
 
-LossFn = Callable[[dict[str, Any], "LossConfig", LossNormalizer], tuple[Tensor, dict[str, Tensor]]]
+LossFn = Callable[
+    [dict[str, Any], "LossConfig", "LossNormalizer"], "tuple[Tensor, dict[str, Tensor]]"
+]
 """(inputs, config, normalizer) -> (loss, metrics as (weighted sum, weight) pairs); `inputs`
 holds (T,) tensors over the micro-batch's response tokens, samples concatenated."""
-Shaper = Callable[[Tensor, int, "LossConfig"], Tensor]
+Shaper = Callable[["Tensor", int, "LossConfig"], "Tensor"]
 """(raw rewards (B,), group size, config) -> (B,) rewards as the estimator consumes them."""
-AdvantageFn = Callable[[dict[str, list], "LossConfig", list[Tensor], Any], adv.Advantages]
+AdvantageFn = Callable[[dict[str, list], "LossConfig", "list[Tensor]", Any], "Advantages"]
 """(shard columns, config, per-sample float loss masks, dp group) -> (advantages, returns)."""
+
+_LOSS = "miles.backends.training_utils.loss"
+_ADV = "miles.backends.training_utils.advantages"
 
 CUSTOM_LOSS = "custom_loss"
 CUSTOM_ESTIMATOR = "custom"
@@ -61,11 +74,23 @@ def _check_inputs(inputs: frozenset[str], owner: str) -> None:
         )
 
 
+def _check_function(target: Callable | str, owner: str) -> None:
+    if isinstance(target, str):
+        split_import_path(target, owner)  # the syntax now; the import on first use
+    elif not callable(target):
+        raise TypeError(f"{owner} is a {type(target).__name__}: give a function or its import path")
+
+
+def _function(target: Callable | str, owner: str) -> Callable:
+    return target if callable(target) else load_function(target, owner)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossSpec:
-    """One loss: its function and the batch inputs it reads."""
+    """One loss: its function (or the function's "module:name" path) and the batch inputs it
+    reads."""
 
-    fn: LossFn
+    fn: LossFn | str
     inputs: frozenset[str] = frozenset({"old_log_probs", "advantages"})
     """Batch inputs (`BatchInput`) the function reads; the step computes exactly these."""
     on_policy: bool = True
@@ -74,14 +99,20 @@ class LossSpec:
 
     def __post_init__(self) -> None:
         _check_inputs(self.inputs, "loss")
+        _check_function(self.fn, "LossSpec.fn")
+
+    @property
+    def loss_function(self) -> LossFn:
+        return _function(self.fn, "LossSpec.fn")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EstimatorSpec:
-    """One advantage estimator: its rollout-side reward shaper and its train-side rule."""
+    """One advantage estimator: its rollout-side reward shaper and its train-side rule (each a
+    function or its "module:name" path)."""
 
-    advantages: AdvantageFn
-    shape: Shaper = adv.unshaped
+    advantages: AdvantageFn | str
+    shape: Shaper | str = f"{_ADV}:unshaped"
     inputs: frozenset[str] = frozenset()
     """Batch inputs the rule reads besides rewards and loss masks."""
     token_rewards: bool = False
@@ -93,27 +124,40 @@ class EstimatorSpec:
 
     def __post_init__(self) -> None:
         _check_inputs(self.inputs, "estimator")
+        _check_function(self.advantages, "EstimatorSpec.advantages")
+        _check_function(self.shape, "EstimatorSpec.shape")
+
+    @property
+    def advantage_function(self) -> AdvantageFn:
+        return _function(self.advantages, "EstimatorSpec.advantages")
+
+    @property
+    def shape_function(self) -> Shaper:
+        return _function(self.shape, "EstimatorSpec.shape")
 
 
 LOSSES: dict[str, LossSpec] = {
-    "policy_loss": LossSpec(fn=policy_loss),
-    "sft_loss": LossSpec(fn=sft_loss, inputs=frozenset(), on_policy=False),
+    "policy_loss": LossSpec(fn=f"{_LOSS}:policy_loss"),
+    "sft_loss": LossSpec(fn=f"{_LOSS}:sft_loss", inputs=frozenset(), on_policy=False),
 }
 """--loss-type: the built-in losses by name (`custom_loss` comes from its flag)."""
 
+_BROADCAST = f"{_ADV}:broadcast_reward"
 ESTIMATORS: dict[str, EstimatorSpec] = {
-    "grpo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_normalized),
-    "dr_grpo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_centred),
-    "gspo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.group_normalized),
-    "rloo": EstimatorSpec(advantages=adv.broadcast_reward, shape=adv.leave_one_out),
+    "grpo": EstimatorSpec(advantages=_BROADCAST, shape=f"{_ADV}:group_normalized"),
+    "dr_grpo": EstimatorSpec(advantages=_BROADCAST, shape=f"{_ADV}:group_centred"),
+    "gspo": EstimatorSpec(advantages=_BROADCAST, shape=f"{_ADV}:group_normalized"),
+    "rloo": EstimatorSpec(advantages=_BROADCAST, shape=f"{_ADV}:leave_one_out"),
     "reinforce_plus_plus": EstimatorSpec(
-        advantages=adv.reinforce_plus_plus, token_rewards=True, discounting=True
+        advantages=f"{_ADV}:reinforce_plus_plus", token_rewards=True, discounting=True
     ),
     "reinforce_plus_plus_baseline": EstimatorSpec(
-        advantages=adv.reinforce_plus_plus_baseline, shape=adv.group_centred, token_rewards=True
+        advantages=f"{_ADV}:reinforce_plus_plus_baseline",
+        shape=f"{_ADV}:group_centred",
+        token_rewards=True,
     ),
     "ppo": EstimatorSpec(
-        advantages=adv.gae,
+        advantages=f"{_ADV}:gae",
         inputs=frozenset({"values"}),
         token_rewards=True,
         discounting=True,
@@ -204,7 +248,7 @@ def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -
     """Per-sample rewards as --advantage-estimator consumes them (on the rollout side, over the
     whole rollout): group-normalized (grpo, gspo), group-centred (dr_grpo,
     reinforce_plus_plus_baseline), leave-one-out (rloo) or raw."""
-    shape = estimator_spec(config).shape
+    shape = estimator_spec(config).shape_function
     return shape(raw_rewards.double(), group_size, config).to(raw_rewards.dtype)
 
 
@@ -218,8 +262,11 @@ def compute_advantages_and_returns(
     data-parallel process group over which batch-level statistics are reduced (None: the default
     group, if any).
     """
-    rule = estimator_spec(config).advantages
-    batch["advantages"], batch["returns"] = rule(batch, config, adv.loss_masks(batch), group)
+    # Imported here: reading the registry must not import torch.
+    from miles.backends.training_utils.advantages import loss_masks
+
+    rule = estimator_spec(config).advantage_function
+    batch["advantages"], batch["returns"] = rule(batch, config, loss_masks(batch), group)
 
 
 __all__ = [

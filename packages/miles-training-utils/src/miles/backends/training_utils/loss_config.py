@@ -12,8 +12,10 @@ from typing import Literal, get_args
 
 from miles.backends.training_utils import algorithms
 from miles.backends.training_utils.import_path import split_import_path
-from miles.backends.training_utils.ppo_utils import KL_TYPES
 
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+"""--kl-loss-type: the KL estimators of `ppo_utils.compute_approx_kl`."""
+KL_TYPES: tuple[str, ...] = get_args(KLType)
 LossReduction = Literal["sample_mean", "token_mean", "constant"]
 OffPolicyCorrection = Literal["tis", "icepop", "mis"]
 

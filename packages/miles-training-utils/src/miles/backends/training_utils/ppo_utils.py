@@ -6,13 +6,10 @@ Loss reduction (per token, per sample, constant normalizer) is deliberately left
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
-KLType = Literal["k1", "k2", "k3", "low_var_kl"]
-KL_TYPES: tuple[str, ...] = get_args(KLType)
+from miles.backends.training_utils.loss_config import KL_TYPES, KLType
 
 # exp(20) ~ 4.9e8: keeps the k3 estimator finite when the reference model is far more likely.
 _K3_MAX_NEG_LOG_RATIO = 20.0

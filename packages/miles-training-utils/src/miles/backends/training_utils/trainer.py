@@ -176,7 +176,7 @@ class PolicyTrainer:
             for name in sorted(self.algorithm.inputs)
             if not (old_from_step and name == "old_log_probs")
         ]
-        loss_spec, config = self.algorithm.loss, self.config
+        compute_loss, config = self.algorithm.loss.loss_function, self.config
 
         def loss_fn(index: int, log_probs: Tensor, entropy: Tensor):
             micro = micro_batches[index]
@@ -192,7 +192,7 @@ class PolicyTrainer:
                     inputs[name] = tensors[column].to(log_probs.device)
             if old_from_step and "old_log_probs" in self.algorithm.inputs:
                 inputs["old_log_probs"] = log_probs.detach()  # ratio 1: the step's start policy
-            loss, metrics = loss_spec.fn(inputs, config, normalizer)
+            loss, metrics = compute_loss(inputs, config, normalizer)
             # Each micro-batch's loss carries reduce_loss's x dp factor; weighted 1 / (micro-
             # batches per rank), the weights over every rank add up to dp, so the mean is the
             # global batch's loss.

@@ -8,9 +8,9 @@ here and the hub's `--rm-timeout-s` bounds each evaluation instead.
 
 from __future__ import annotations
 
+import functools
 import logging
-
-from math_verify import parse, verify
+from types import ModuleType
 
 from miles.backends.training_utils.sample import Sample
 
@@ -25,6 +25,15 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_not_timeout_disabled_warning)
 
 
+@functools.cache
+def _math_verify() -> ModuleType:
+    # Imported on first use: math-verify brings sympy (seconds of import), which a run scoring
+    # with another --rm-type never needs, and the configuration lists this reward by name.
+    import math_verify
+
+    return math_verify
+
+
 def parse_label(label: str) -> list:
     """math-verify's parse of a bare ground-truth answer, e.g. `2,3`, `\\sqrt{2}` or `x^2+1`.
 
@@ -32,6 +41,7 @@ def parse_label(label: str) -> list:
     response, and math-verify finds no LaTeX without them (or reads `2,3` as 2.3): so it is
     parsed as if boxed, unless it already carries its own delimiters.
     """
+    parse = _math_verify().parse
     if "$" not in label and "\\boxed" not in label:
         parsed = parse(f"\\boxed{{{label}}}", parsing_timeout=None)
         if parsed:
@@ -56,7 +66,7 @@ def math_reward(sample: Sample) -> float:
             f"sample {sample.index}: math-verify found no answer in the label {sample.label!r}; "
             "write labels as a number or LaTeX expression"
         )
-    answer = parse(sample.response, parsing_timeout=None)
+    answer = _math_verify().parse(sample.response, parsing_timeout=None)
     if not answer:
         return 0.0
-    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+    return 1.0 if _math_verify().verify(gold, answer, timeout_seconds=None) else 0.0

@@ -1,0 +1,55 @@
+"""`TrainRunSpec`: what the loop knows that a training rank needs, as one frozen value.
+
+Its own module, with no torch or Ray, because the driver builds it: importing the train-actor
+machinery (torch) there would cost seconds before the first rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.config.schema import MilesConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRunSpec:
+    """What the loop knows that a training rank needs, besides the loss and the backend's args."""
+
+    hf_checkpoint: str
+    """The Hugging Face checkpoint the run starts from (also the tokenizer of HF exports)."""
+    rollout_temperature: float
+    """Sampling temperature of the engines: log-probs are taken at the same temperature."""
+    global_batch_size: int
+    """Samples per optimizer step, over all data-parallel replicas."""
+    num_rollout: int
+    """Rollouts of the whole run."""
+    num_steps_per_rollout: int
+    """Optimizer steps per rollout."""
+    colocate: bool = False
+    """Engines share the train devices (weights travel by CUDA IPC / shared memory)."""
+    save: str | None = None
+    """Checkpoint directory (--save)."""
+    load: str | None = None
+    """Directory to resume from (--load)."""
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (the default length of a decaying schedule)."""
+        return self.num_rollout * self.num_steps_per_rollout
+
+    @classmethod
+    def from_config(cls, config: MilesConfig, *, num_rollout: int) -> TrainRunSpec:
+        training = config.training
+        assert training.global_batch_size and training.num_steps_per_rollout, "derived by then"
+        return cls(
+            hf_checkpoint=config.checkpoint.hf_checkpoint,
+            rollout_temperature=config.rollout.rollout_temperature,
+            global_batch_size=training.global_batch_size,
+            num_rollout=num_rollout,
+            num_steps_per_rollout=training.num_steps_per_rollout,
+            colocate=config.cluster.colocate,
+            save=config.checkpoint.save,
+            load=config.checkpoint.load,
+        )
