@@ -2,8 +2,8 @@
 
 Each test is a whole `miles train` (in-process, sharing one local Ray instance): disaggregated and
 colocated placement, the one-step-async loop, the disaggregated run's saved rollouts replayed
-(training as that run did), and a run that crashed while saving, resumed from its last complete
-checkpoint, matching the uninterrupted one.
+(training as that run did), and that run crashed while saving, resumed from its last complete
+checkpoint, matching the uninterrupted one. The disaggregated run is made once, for all three.
 """
 
 from __future__ import annotations
@@ -52,25 +52,34 @@ def run(assets, out: Path, *flags: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
+# Saving every rollout and one request at a time: the resume test replays this run from its
+# checkpoints and must draw the same samples.
+DISAGGREGATED = ["--num-rollout", "3", "--rollout-num-gpus", "1", "--rollout-concurrency", "1",
+                 "--save-interval", "1"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def disaggregated(assets, tmp_path_factory) -> tuple[list[dict], str, Path]:
-    """A disaggregated run that also saves its rollouts: its records, the rollouts' file
-    pattern, and its output directory."""
+    """A disaggregated run that saves a checkpoint and its rollouts every rollout: its records,
+    the rollouts' file pattern, and its output directory (checkpoints in `checkpoints/`)."""
     out = tmp_path_factory.mktemp("disaggregated")
     pattern = str(out / "rollouts" / "r{rollout_id}.pt")
-    flags = ["--num-rollout", "2", "--rollout-num-gpus", "1", "--save-debug-rollout-data", pattern]
-    return run(assets, out / "run", *flags), pattern, out / "run"
+    flags = [*DISAGGREGATED, "--save", str(out / "checkpoints"),
+             "--save-debug-rollout-data", pattern]  # fmt: skip
+    return run(assets, out / "run", *flags), pattern, out
 
 
 def test_disaggregated_run_logs_every_rollout_with_its_time_split(disaggregated):
     records, _, out = disaggregated
-    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert [r["rollout_id"] for r in records] == [0, 1, 2]
     first = records[0]
     for key in ("rollout/reward_mean", "train/loss", "time/generate_s", "time/train_s",
-                "time/update_weights_s", "time/step_s", "check/logprob_abs_diff"):  # fmt: skip
+                "time/update_weights_s", "time/step_s", "check/logprob_abs_diff",
+                "startup/total_s", "startup/engines_s", "startup/trainers_s"):  # fmt: skip
         assert key in first, key
     assert first["check/logprob_abs_diff"] < 1e-3  # the step-0 check: engine runs our weights
-    assert (out / "config.json").is_file()
+    assert not any(k.startswith("startup/") for r in records[1:] for k in r)  # logged once
+    assert (out / "run" / "config.json").is_file()
 
 
 def test_colocated_run_shares_the_train_devices(assets, tmp_path):
@@ -87,16 +96,18 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     assert all("train/loss" in r for r in records)
 
 
-def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path):
-    common = ["--rollout-num-gpus", "1", "--rollout-concurrency", "1", "--save-interval", "1",
-              "--num-rollout", "3"]  # fmt: skip
-    full = run(assets, tmp_path / "full", "--save", str(tmp_path / "full_ckpt"), *common)
+def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
+    assets, tmp_path, disaggregated
+):
+    full, _, out = disaggregated
     # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
     # files written, but the pointer (written last) still names rollout 1.
-    shutil.copytree(tmp_path / "full", tmp_path / "crashed")
-    shutil.copytree(tmp_path / "full_ckpt", tmp_path / "crashed_ckpt")
+    shutil.copytree(out / "run", tmp_path / "crashed")
+    shutil.copytree(out / "checkpoints", tmp_path / "crashed_ckpt")
     (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("1")
-    resumed = run(assets, tmp_path / "crashed", "--save", str(tmp_path / "crashed_ckpt"), *common)
+    resumed = run(
+        assets, tmp_path / "crashed", *DISAGGREGATED, "--save", str(tmp_path / "crashed_ckpt")
+    )
     assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollout 2 logged once, not twice
     for key in (
         "rollout/reward_mean",
@@ -118,7 +129,7 @@ def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(
     )  # fmt: skip
     # Same start weights, same data: the same optimizer steps; no engines, so no step-0 check.
     assert [r["rollout_id"] for r in replayed] == [0, 1]
-    for ours, theirs in zip(replayed, records, strict=True):
+    for ours, theirs in zip(replayed, records[:2], strict=True):
         assert ours["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5, abs=1e-7)
         assert ours["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-5)
         assert "check/logprob_abs_diff" not in ours and "time/update_weights_s" not in ours

@@ -9,7 +9,12 @@ import ray
 import torch
 
 from miles.config import load_config
-from miles.ray.placement import create_placement, plan_placement, remove_placement
+from miles.ray.placement import (
+    create_placement,
+    plan_for_cluster,
+    plan_placement,
+    remove_placement,
+)
 from miles.ray.run import Run
 
 FLAGS = ["--hf-checkpoint", "c", "--prompt-data", "d.jsonl", "--rollout-batch-size", "2",
@@ -28,8 +33,9 @@ def cluster_with_gpus():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a driver without GPUs")
 def test_a_driver_without_gpus_reserves_the_clusters_gpus(cluster_with_gpus):
-    run = Run(load_config(FLAGS))
-    placement, has_gpus = run._reserve_placement()
+    config = load_config(FLAGS)
+    has_gpus = Run(config)._join_ray()  # joins the running instance
+    placement = create_placement(plan_for_cluster(config.cluster, use_gpus=has_gpus))
     try:
         assert has_gpus
         assert [bundle.get("GPU") for bundle in placement.plan.bundles] == [1.0, 1.0, 1.0]

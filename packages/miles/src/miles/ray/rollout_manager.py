@@ -120,24 +120,27 @@ class RolloutManager:
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
 
-    def load_data(self) -> int:
+    async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
 
-        Called once, after `start_engines` (whose engines load their model meanwhile)."""
-        if self._data is not None:
-            return len(self._data.dataset)
-        start = time.perf_counter()
+        Called once, after `start_engines`, whose engines load their model meanwhile. The reading
+        runs in a thread: the event loop stays free to see the engines answer."""
+        if self._data is None:
+            start = time.perf_counter()
+            self._data = await asyncio.to_thread(self._read_prompts)
+            self.startup_seconds["data"] = time.perf_counter() - start
+        return len(self._data.dataset)
+
+    def _read_prompts(self) -> _Prompts:
         from transformers import AutoTokenizer  # seconds of imports: see the module docstring
 
         tokenizer = AutoTokenizer.from_pretrained(self.config.checkpoint.hf_checkpoint)
         dataset = PromptDataset(self.config.data, tokenizer)
-        self._data = _Prompts(
+        return _Prompts(
             dataset=dataset,
             source=RolloutDataSource(dataset, self.config.data),
             eval_sources=self._eval_sources(tokenizer),
         )
-        self.startup_seconds["data"] = time.perf_counter() - start
-        return len(dataset)
 
     @property
     def data_source(self) -> RolloutDataSource:
