@@ -1,11 +1,16 @@
 """Output tokens/s of the reference engine against `transformers` `generate`, same model and prompts.
 
-    uv run python bench/engine_throughput.py [--requests 64] [--hidden 256] [--layers 4]
+    uv run python bench/engine_throughput.py [--requests 64] [--groups 8] [--group-size 8]
 
-64 concurrent requests of mixed prompt and output lengths go to a `miles-reference-engine`
-server (continuous batching: finished sequences leave the batch). `generate` gets the same
-prompts left-padded into one batch and must run until the longest output is done. Both count
-only the tokens each request asked for, on a tiny Qwen3 built locally, in this one run.
+Two workloads, each measured on both in this one run, on a tiny Qwen3 built locally:
+
+- mixed: 64 concurrent requests of mixed prompt and output lengths go to a
+  `miles-reference-engine` server (continuous batching: finished sequences leave the batch);
+- groups, the RL loop's shape: 8 prompts of 32-64 tokens, each one request for n=8 samples of 16
+  tokens (a GRPO group; the engine prefills each prompt once and shares it).
+
+`generate` gets the same prompts (a group's repeated n times) left-padded into one batch and must
+run until the longest output is done. Both count only the tokens each request asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import asyncio
 import random
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -24,50 +28,68 @@ from transformers import AutoModelForCausalLM
 from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
+Workload = list[tuple[list[int], int, int]]
+"""(prompt, max new tokens, samples of it) per request."""
 
-def _workload(count: int, seed: int) -> list[tuple[list[int], int]]:
+
+def mixed_workload(count: int, seed: int) -> Workload:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(0, 256) for _ in range(rng.randint(8, 64))], rng.choice([16, 32, 64, 128]))
+        (
+            [rng.randrange(0, 256) for _ in range(rng.randint(8, 64))],
+            rng.choice([16, 32, 64, 128]),
+            1,
+        )
         for _ in range(count)
     ]
 
 
-def run_engine(model_path: Path, workload) -> float:
-    with launch_reference_engine(model_path) as url:
-
-        async def send_all() -> float:
-            async with httpx.AsyncClient(
-                timeout=600, limits=httpx.Limits(max_connections=256)
-            ) as client:
-                start = time.perf_counter()
-                await asyncio.gather(
-                    *(
-                        client.post(
-                            f"{url}/generate",
-                            json={
-                                "input_ids": prompt,
-                                "sampling_params": {
-                                    "temperature": 0,
-                                    "max_new_tokens": n,
-                                    "ignore_eos": True,
-                                },
-                            },
-                        )
-                        for prompt, n in workload
-                    )
-                )
-                return time.perf_counter() - start
-
-        return asyncio.run(send_all())
+def group_workload(groups: int, group_size: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(0, 256) for _ in range(rng.randint(32, 64))], 16, group_size)
+        for _ in range(groups)
+    ]
 
 
-def run_generate(model_path: Path, workload) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    longest = max(len(p) for p, _ in workload)
-    input_ids = torch.zeros(len(workload), longest, dtype=torch.long)
+def output_tokens(workload: Workload) -> int:
+    return sum(new * samples for _, new, samples in workload)
+
+
+def run_engine(url: str, workload: Workload) -> float:
+    """Seconds until every request of `workload`, sent at once, is answered."""
+
+    async def send_all() -> float:
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            start = time.perf_counter()
+            await asyncio.gather(*(
+                client.post(f"{url}/generate", json={
+                    "input_ids": prompt,
+                    "sampling_params": {
+                        "temperature": 0, "max_new_tokens": new, "ignore_eos": True, "n": samples,
+                    },
+                })
+                for prompt, new, samples in workload
+            ))  # fmt: skip
+            return time.perf_counter() - start
+
+    return asyncio.run(send_all())
+
+
+def step_seconds(url: str) -> dict[str, float]:
+    """The engine loop's cumulative time split (its /get_server_info internal state; empty for
+    an engine that does not report one)."""
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    return info["internal_states"][0].get("step_seconds", {})
+
+
+def run_generate(model: torch.nn.Module, workload: Workload) -> float:
+    rows = [prompt for prompt, _, samples in workload for _ in range(samples)]
+    longest = max(len(p) for p in rows)
+    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
-    for row, (prompt, _) in enumerate(workload):
+    for row, prompt in enumerate(rows):
         input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
         mask[row, longest - len(prompt) :] = 1
     start = time.perf_counter()
@@ -76,8 +98,8 @@ def run_generate(model_path: Path, workload) -> float:
             input_ids=input_ids,
             attention_mask=mask,
             do_sample=False,
-            max_new_tokens=max(n for _, n in workload),
-            min_new_tokens=max(n for _, n in workload),
+            max_new_tokens=max(new for _, new, _ in workload),
+            min_new_tokens=max(new for _, new, _ in workload),
             pad_token_id=256,
             eos_token_id=None,
         )
@@ -87,12 +109,16 @@ def run_generate(model_path: Path, workload) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    workload = _workload(args.requests, args.seed)
-    tokens = sum(n for _, n in workload)
+    workloads = {
+        "mixed": mixed_workload(args.requests, args.seed),
+        "groups": group_workload(args.groups, args.group_size, args.seed),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_tiny_checkpoint(
             tmp,
@@ -103,22 +129,37 @@ def main() -> None:
             num_key_value_heads=4,
             head_dim=args.hidden // 8,
         )
-        params = sum(
-            p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters()
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        params = sum(p.numel() for p in model.parameters())
+        print(f"model: Qwen3 {params / 1e6:.1f}M params")
+        results, splits = {}, {}
+        with launch_reference_engine(model_path) as url:
+            for name, workload in workloads.items():
+                before = step_seconds(url)
+                results[name] = (run_engine(url, workload), None)
+                after = step_seconds(url)
+                splits[name] = {k: after[k] - before[k] for k in after}
+        for name, workload in workloads.items():
+            results[name] = (results[name][0], run_generate(model, workload))
+    print(f"{'workload':<8} {'method':<38} {'seconds':>9} {'output tok/s':>13}")
+    for name, (engine_s, generate_s) in results.items():
+        tokens = output_tokens(workloads[name])
         print(
-            f"model: Qwen3 {params / 1e6:.1f}M params; {args.requests} requests, {tokens} output tokens requested"
+            f"{name:<8} {'miles reference engine':<38} {engine_s:>9.2f} {tokens / engine_s:>13.1f}"
         )
-        engine_s = run_engine(model_path, workload)
-        generate_s = run_generate(model_path, workload)
-    print(f"{'method':<40} {'seconds':>9} {'output tok/s':>13}")
-    print(
-        f"{'miles reference engine (continuous)':<40} {engine_s:>9.2f} {tokens / engine_s:>13.1f}"
-    )
-    print(
-        f"{'transformers generate (padded batch)':<40} {generate_s:>9.2f} {tokens / generate_s:>13.1f}"
-    )
-    print(f"reference engine / generate: {generate_s / engine_s:.2f}x")
+        print(f"{name:<8} {'transformers generate (padded batch)':<38} {generate_s:>9.2f} "
+              f"{tokens / generate_s:>13.1f}")  # fmt: skip
+        print(f"{name:<8} reference engine / generate: {generate_s / engine_s:.2f}x")
+    print("where the engine's time went (seconds; outside the loop: HTTP, parsing, waiting):")
+    for name, (engine_s, _) in results.items():
+        split = splits[name]
+        if not split:
+            print(f"  {name:<8} (the engine reports no split)")
+            continue
+        scheduling = split["steps"] - split["prefill"] - split["decode"] - split["sampling"]
+        print(f"  {name:<8} prefill {split['prefill']:.2f}, decode forward {split['decode']:.2f}, "
+              f"sampling {split['sampling']:.2f}, scheduling {scheduling:.2f}, "
+              f"outside the loop {engine_s - split['steps']:.2f} (of {engine_s:.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

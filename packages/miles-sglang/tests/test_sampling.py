@@ -64,6 +64,32 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p(vocab, top_k, top_p, tempera
         assert log_probs[0] == pytest.approx(float(expected), abs=1e-5)
 
 
+def test_draws_follow_the_temperature_scaled_distribution_and_seeds_repeat_them():
+    # 6000 rows of one batch, each with its own seeded generator: the token frequencies are
+    # those of softmax(logits / T) (within 5 standard errors), the reported log-probs are that
+    # distribution's, and the same seeds give the same draws alone or inside another batch.
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    params = SamplingParams(temperature=0.7)
+    rows = 6000
+    tokens, log_probs = sample_next_tokens(
+        logits.expand(rows, -1),
+        [params] * rows,
+        [torch.Generator().manual_seed(s) for s in range(rows)],
+    )
+    expected = torch.softmax(logits.double() / 0.7, -1)
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).double() / rows
+    stderr = (expected * (1 - expected) / rows).sqrt()
+    assert ((counts - expected).abs() <= 5 * stderr).all(), (counts, expected)
+    assert torch.allclose(torch.tensor(log_probs).double(), expected.log()[tokens], atol=1e-5)
+    greedy = SamplingParams(temperature=0.0)
+    mixed, _ = sample_next_tokens(
+        torch.stack([torch.zeros(5), logits]),
+        [greedy, params],
+        [torch.Generator(), torch.Generator().manual_seed(7)],
+    )
+    assert mixed == [0, tokens[7]]
+
+
 def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = SamplingParams(temperature=1.0, min_p=0.2)  # keeps p >= 0.1

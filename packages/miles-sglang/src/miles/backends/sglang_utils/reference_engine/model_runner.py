@@ -59,6 +59,23 @@ def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
     return BatchState(keys, values, mask)
 
 
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """(the distinct prompts in first-seen order, each prompt's row among them)."""
+    first_row: dict[tuple[int, ...], int] = {}
+    rows = [first_row.setdefault(tuple(prompt), len(first_row)) for prompt in prompts]
+    return [list(prompt) for prompt in first_row], rows
+
+
+def gather_rows(logits: Tensor, state: BatchState, rows: list[int]) -> tuple[Tensor, BatchState]:
+    """Rows `rows` of a prefill's logits and state (a row may repeat)."""
+    index = torch.tensor(rows, device=state.mask.device)
+    keys = [k.index_select(0, index) for k in state.keys]
+    values = [v.index_select(0, index) for v in state.values]
+    return logits.index_select(0, index), BatchState(
+        keys, values, state.mask.index_select(0, index)
+    )
+
+
 def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
     """Keep `rows` (in order) and trim leading columns that are padding in every kept row."""
     if not rows:
@@ -80,6 +97,8 @@ class ModelRunner:
         # transformers 5 renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.prefilled_tokens = 0
+        """Prompt tokens run through the model (shared prompts count once)."""
 
     def _forward(
         self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache
@@ -101,7 +120,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
-        """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts."""
+        """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts.
+
+        A prompt that occurs several times (a GRPO group's n samples arrive together) is computed
+        once and its cache rows copied: its forward would give the same numbers again."""
+        distinct, rows = distinct_prompts(prompts)
+        logits, state = self._prefill(distinct)
+        self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
+        if len(distinct) == len(prompts):
+            return logits, state
+        return gather_rows(logits, state, rows)
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
         length = max(len(p) for p in prompts)
         input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
         mask = torch.zeros(len(prompts), length, dtype=torch.long)

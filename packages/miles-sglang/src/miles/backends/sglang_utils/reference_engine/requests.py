@@ -175,7 +175,7 @@ def response_item(request, text: str, return_logprob: bool) -> dict[str, Any]:
         "finish_reason": request.finish_reason,
         "prompt_tokens": len(request.input_ids),
         "completion_tokens": len(request.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": request.cached_tokens,
         "weight_version": request.weight_version,
     }
     if return_logprob:

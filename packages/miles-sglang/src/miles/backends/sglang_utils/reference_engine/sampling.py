@@ -125,28 +125,44 @@ def _filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     return logits
 
 
+def _filters(params: SamplingParams) -> bool:
+    return (0 < params.top_k) or params.top_p < 1.0 or params.min_p > 0.0
+
+
 def sample_next_tokens(
     logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
     """One token per row of (B, V) logits, and its log-prob under the temperature-scaled
-    distribution. Each row samples with its own generator, so a seeded request gives the same
-    tokens whatever else shares the batch."""
+    distribution. Each row draws with its own generator, so a seeded request gives the same
+    tokens whatever else shares the batch.
+
+    The batch is scaled, normalized and sampled at once (a decode step samples for every running
+    request): each row takes one uniform draw from its generator and inverts its cumulative
+    distribution. Only rows with top-k, top-p or min-p are filtered one by one."""
     logits = logits.float()
-    tokens, log_probs = [], []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        # The trainer scores with the configured temperature even when top_k=1 makes the draw
-        # greedy; only temperature 0 has no distribution of its own and is scored at 1.
-        temperature = 1.0 if p.temperature < GREEDY_TEMPERATURE else p.temperature
-        scaled = row / temperature  # (V,)
-        log_p = torch.log_softmax(scaled, dim=-1)  # (V,)
-        if p.greedy:
-            token = int(torch.argmax(row))
-        else:
-            filtered = _filter_logits(scaled, p)
-            # Requests' generators live on the CPU (a seed means the same draw on any device);
-            # torch samples only with a generator of the probabilities' device.
-            probs = torch.softmax(filtered, dim=-1).to(gen.device)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-        tokens.append(token)
-        log_probs.append(float(log_p[token]))
-    return tokens, log_probs
+    # The trainer scores with the configured temperature even when top_k=1 makes the draw
+    # greedy; only temperature 0 has no distribution of its own and is scored at 1.
+    temperatures = [1.0 if p.temperature < GREEDY_TEMPERATURE else p.temperature for p in params]
+    scaled = logits / logits.new_tensor(temperatures)[:, None]  # (B, V)
+    log_p = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    tokens = torch.argmax(logits, dim=-1)  # (B,): the greedy rows' tokens
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if drawn:
+        rows = torch.tensor(drawn, device=logits.device)
+        candidates = scaled.index_select(0, rows)  # (D, V)
+        for i, row in enumerate(drawn):
+            if _filters(params[row]):
+                candidates[i] = _filter_logits(candidates[i], params[row])
+        # float64 keeps the cumulative sum exact enough over a large vocabulary.
+        cdf = torch.softmax(candidates, dim=-1).double().cumsum(-1)  # (D, V)
+        # Requests' generators live on the CPU (a seed means the same draw on any device).
+        uniform = torch.cat(
+            [torch.rand(1, generator=generators[r], dtype=torch.float64) for r in drawn]
+        )
+        uniform = uniform.to(cdf.device) * cdf[:, -1]
+        # The first token whose cumulative probability exceeds the draw: a token of probability
+        # 0 (filtered out) adds nothing to the sum and is never chosen.
+        picks = torch.searchsorted(cdf, uniform[:, None], right=True).squeeze(1)
+        tokens[rows] = picks.clamp(max=logits.shape[-1] - 1)
+    chosen = log_p.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist()

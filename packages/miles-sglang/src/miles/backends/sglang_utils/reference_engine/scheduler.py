@@ -22,6 +22,7 @@ import torch
 from miles.backends.sglang_utils.reference_engine.model_runner import (
     BatchState,
     ModelRunner,
+    distinct_prompts,
     merge_states,
     select_rows,
 )
@@ -45,6 +46,8 @@ class Request:
     weight_version: str = ""
     generator: torch.Generator = field(default_factory=torch.Generator)
     stop_checker: Callable[[Request], str | None] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose prefill this request shared with another (SGLang's `cached_tokens`)."""
 
 
 class Scheduler:
@@ -78,6 +81,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self.steps = 0
         self.finished_requests = 0
+        # Where the loop's time goes (seconds, summed over the engine's life): the model's
+        # prefill and decode forwards, sampling, and whole steps (the rest is scheduling).
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0, "sampling": 0.0, "steps": 0.0}
         self._thread = threading.Thread(
             target=self._loop, name="reference-engine-loop", daemon=True
         )
@@ -188,8 +194,15 @@ class Scheduler:
                 new.append(request)
         if not new:
             return
+        _, rows = distinct_prompts([r.input_ids for r in new])
+        seen: set[int] = set()
+        for request, row in zip(new, rows, strict=True):
+            request.cached_tokens = len(request.input_ids) if row in seen else 0
+            seen.add(row)
         try:
+            start = time.perf_counter()
             logits, state = self.runner.prefill([r.input_ids for r in new])
+            self.step_seconds["prefill"] += time.perf_counter() - start
             tokens = self._sample_and_record(new, logits)
         except Exception as err:
             # Not running yet, so the loop's handler would not answer them: fail them here.
@@ -202,18 +215,26 @@ class Scheduler:
         self._retire_finished()
 
     def _step(self) -> None:
-        self._admit()
-        if not self._running:
-            return
-        logits, self._state = self.runner.decode(self._state, self._next_tokens)
-        self._next_tokens = self._sample_and_record(self._running, logits)
-        self.steps += 1
-        self._retire_finished()
+        step_start = time.perf_counter()
+        try:
+            self._admit()
+            if not self._running:
+                return
+            start = time.perf_counter()
+            logits, self._state = self.runner.decode(self._state, self._next_tokens)
+            self.step_seconds["decode"] += time.perf_counter() - start
+            self._next_tokens = self._sample_and_record(self._running, logits)
+            self.steps += 1
+            self._retire_finished()
+        finally:
+            self.step_seconds["steps"] += time.perf_counter() - step_start
 
     def _sample_and_record(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        start = time.perf_counter()
         tokens, log_probs = sample_next_tokens(
             logits, [r.params for r in requests], [r.generator for r in requests]
         )
+        self.step_seconds["sampling"] += time.perf_counter() - start
         for request, token, log_prob in zip(requests, tokens, log_probs, strict=True):
             request.output_ids.append(token)
             request.output_logprobs.append(log_prob)

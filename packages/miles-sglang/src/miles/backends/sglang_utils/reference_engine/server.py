@@ -132,6 +132,8 @@ class ReferenceEngine:
                     "paused": self.scheduler.paused,
                     "finished_requests": self.scheduler.finished_requests,
                     "decode_steps": self.scheduler.steps,
+                    "prefilled_tokens": self.scheduler.runner.prefilled_tokens,
+                    "step_seconds": dict(self.scheduler.step_seconds),
                 }
             ],
         )
