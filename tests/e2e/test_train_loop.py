@@ -96,9 +96,7 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     assert all("train/loss" in r for r in records)
 
 
-def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
-    assets, tmp_path, disaggregated
-):
+def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path, disaggregated):
     full, _, out = disaggregated
     # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
     # files written, but the pointer (written last) still names rollout 1.
