@@ -133,11 +133,19 @@ def test_the_train_ranks_get_a_typed_run_spec():
         spec.colocate = True  # type: ignore[misc]
 
 
-def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_actor():
+def _run_fresh_python(*lines: str) -> None:
+    """Run `lines` in a new interpreter (this one has imported everything); they must succeed."""
     import subprocess
     import sys
 
-    program = "\n".join([
+    result = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_actor():
+    _run_fresh_python(
         "import contextlib, io, sys",
         "from miles.config import load_config",
         "load_config(['--hf-checkpoint', 'c', '--prompt-data', 'd.jsonl',",
@@ -149,9 +157,7 @@ def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_act
         "         'miles.backends.fsdp_utils.engine', 'torch', 'transformers', 'datasets', 'sympy')",
         "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m in heavy]",
         "assert not bad, bad",
-    ])  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -166,18 +172,13 @@ def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_act
 def test_processes_that_start_a_run_import_no_torch_before_they_need_it(module):
     # Every process of a run pays its own imports (torch alone takes seconds): the ones on the
     # path to the first rollout import it only where their work needs it.
-    import subprocess
-    import sys
-
-    program = "\n".join([
+    _run_fresh_python(
         "import importlib, sys",
         f"importlib.import_module({module!r})",
         "heavy = ('torch', 'transformers', 'datasets', 'sympy', 'math_verify')",
         "bad = [m for m in heavy if m in sys.modules]",
         "assert not bad, bad",
-    ])  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    )  # fmt: skip
 
 
 def test_missing_backend_wheel_names_the_wheel(monkeypatch):
