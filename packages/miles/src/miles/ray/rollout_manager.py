@@ -279,7 +279,7 @@ class RolloutManager:
     async def eval(self, rollout_id: int) -> dict[str, float]:
         """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once)."""
         assert self.pool is not None, "start_engines() before eval()"
-        from miles.rollout import train_data  # torch: see generate()
+        from miles.rollout.train_data import eval_metrics  # torch: see generate()
 
         metrics: dict[str, float] = {}
         for name, (dataset, data_config) in self.eval_sources.items():
@@ -289,7 +289,7 @@ class RolloutManager:
             output = await generate_groups(
                 self.pool, source, self.reward_hub.score_groups, eval_config, rollout_id=rollout_id
             )
-            metrics.update(train_data.eval_metrics(output.groups, name))
+            metrics.update(eval_metrics(output.groups, name))
         return metrics
 
     def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:

@@ -121,7 +121,8 @@ class Run:
                     f"data-parallel replicas, but the rollout was split for {dp_size}"
                 )
         if engines is not None:
-            self.engine_urls = ray.get(engines)
+            if not self.engine_urls:  # colocated runs waited for them before the trainers built
+                self.engine_urls = ray.get(engines)
             self.rollouts = EngineRollouts(manager)
             if self.trainers is not None:
                 self.trainers.connect_engines(self.engine_urls)

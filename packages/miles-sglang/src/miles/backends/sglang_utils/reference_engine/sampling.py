@@ -74,6 +74,11 @@ class SamplingParams:
                 )
 
     @property
+    def filters(self) -> bool:
+        """Whether top-k, top-p or min-p restrict the draw (`_filter_logits` applies them)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
@@ -125,10 +130,6 @@ def _filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     return logits
 
 
-def _filters(params: SamplingParams) -> bool:
-    return (0 < params.top_k) or params.top_p < 1.0 or params.min_p > 0.0
-
-
 def sample_next_tokens(
     logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
@@ -151,7 +152,7 @@ def sample_next_tokens(
         rows = torch.tensor(drawn, device=logits.device)
         candidates = scaled.index_select(0, rows)  # (D, V)
         for i, row in enumerate(drawn):
-            if _filters(params[row]):
+            if params[row].filters:
                 candidates[i] = _filter_logits(candidates[i], params[row])
         # float64 keeps the cumulative sum exact enough over a large vocabulary.
         cdf = torch.softmax(candidates, dim=-1).double().cumsum(-1)  # (D, V)
