@@ -31,6 +31,15 @@ def _megatron_cpu_shim():
     return module
 
 
+# Both backends' heavy imports, made once in the gloo workers' fork server (which keeps what the
+# package suites before this one asked for).
+PRELOAD = (
+    *_megatron_cpu_shim().MEGATRON_PRELOAD,
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+)
+
+
 def make_batch() -> dict[str, list]:
     # The "engine" log-probs are a constant -1: both trainers must be the same distance away.
     return random_rollout_batch(2 * GLOBAL_BATCH, seed=0, rollout_log_prob=-1.0, masked=True)
@@ -112,7 +121,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fsdp(checkpoint) -> dict:
-    return run_distributed(_fsdp, 1, checkpoint, timeout_s=300)[0]
+    return run_distributed(_fsdp, 1, checkpoint, timeout_s=300, preload=PRELOAD)[0]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +132,7 @@ def megatron_runs(checkpoint):
     def run(layout: str) -> dict:
         if layout not in runs:
             args = (checkpoint, MEGATRON_LAYOUTS[layout], layout == "tp2")
-            runs[layout] = run_distributed(_megatron, 2, *args, timeout_s=420)[0]
+            runs[layout] = run_distributed(_megatron, 2, *args, timeout_s=420, preload=PRELOAD)[0]
         return runs[layout]
 
     return run

@@ -6,8 +6,10 @@ transports, the shared-memory one from a sleeping trainer."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -105,16 +107,32 @@ def _fresh_resume(rank: int, checkpoint: Path, save_dir: Path, layout: dict) -> 
     return {"start": start, "state": snapshot(actor)}
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def life(request, tmp_path_factory) -> dict:
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """One reference engine for every layout (starting one costs ~20 s of imports here), and the
+    checkpoint it starts from: other weights than the trainers', so the first check sees a gap."""
     from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
+    start = build_tiny_checkpoint(tmp_path_factory.mktemp("engine"), seed=1)
+    with reference_engine(start, "cpu") as url:
+        yield url, start
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def life(request, tmp_path_factory, engine) -> dict:
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    url, engine_start = engine
+    # Each layout meets the engine as a new run would: holding its own start weights, not the
+    # weights the previous layout pushed.
+    reset = httpx.post(
+        f"{url}/update_weights_from_disk", json={"model_path": str(engine_start)}, timeout=120
+    )
+    assert reset.status_code == 200, reset.text
     tmp = tmp_path_factory.mktemp("megatron_actor")
     checkpoint = build_tiny_checkpoint(tmp / "hf", seed=0)
-    engine_checkpoint = build_tiny_checkpoint(tmp / "engine", seed=1)  # other weights at start
     save_dir, layout = tmp / "save", LAYOUTS[request.param]
-    with reference_engine(engine_checkpoint, "cpu") as url:
-        ranks = run_distributed(_life, WORLD, checkpoint, save_dir, layout, url, timeout_s=420)
+    ranks = run_distributed(_life, WORLD, checkpoint, save_dir, layout, url, timeout_s=420)
     # The pointer names rollout 0 (the one save); a new process resumes from it. Checked for tp2
     # only (each run costs ~15 s); every layout restores its files in-process in `_life`.
     fresh = None

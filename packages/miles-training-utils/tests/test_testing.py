@@ -1,15 +1,22 @@
-"""The gloo test harness itself: failures and hangs are reported with each rank's story, and a
-worker may start processes of its own (Megatron's checkpoint writer does)."""
+"""The gloo test harness itself: failures and hangs are reported with each rank's story, a
+worker may start processes of its own (Megatron's checkpoint writer does), and the fork server
+keeps every module any caller asked it to preload."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import sys
 import time
 
 import pytest
 import torch.distributed as dist
 
-from miles.backends.training_utils.testing import DistributedWorkerError, run_distributed
+from miles.backends.training_utils.testing import (
+    DEFAULT_PRELOAD,
+    DistributedWorkerError,
+    run_distributed,
+)
 
 
 def _rank_and_size(rank: int) -> tuple[int, int]:
@@ -31,6 +38,30 @@ def _uses_a_manager(rank: int) -> list[int]:
         shared = manager.list()
         shared.append(rank)
         return list(shared)
+
+
+def _fork_server_and_preloaded(rank: int, names: tuple[str, ...]) -> tuple[int, list[str]]:
+    """The fork server this worker came from, and which of `names` it had imported."""
+    return os.getppid(), [name for name in names if name in sys.modules]
+
+
+def test_the_fork_server_restarts_only_for_a_module_it_lacks_and_keeps_the_union():
+    # Standard-library modules nothing else in this process imports: what a worker finds in
+    # sys.modules before importing anything came from the server.
+    probes = ("wave", "colorsys")
+
+    def ask(*extra: str) -> tuple[int, list[str]]:
+        return run_distributed(
+            _fork_server_and_preloaded, 1, probes, preload=(*DEFAULT_PRELOAD, *extra)
+        )[0]
+
+    first_server, first = ask("wave")
+    assert first == ["wave"]
+    assert ask() == (first_server, ["wave"])  # a subset: the same server, still holding wave
+    second_server, second = ask("colorsys")
+    assert second_server != first_server  # restarted once for the module it lacked
+    assert second == ["wave", "colorsys"]  # ... with the union, not only the newest list
+    assert ask("wave") == (second_server, ["wave", "colorsys"])
 
 
 def test_each_rank_joins_one_group_and_results_come_back_by_rank():

@@ -14,7 +14,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "miles.backends.sglang_utils.weight_sync"]
+from miles.backends.training_utils.testing import forkserver_context
+
+_PRELOAD = ("torch", "torch.distributed", "miles.backends.sglang_utils.weight_sync")
 
 
 def free_port() -> int:
@@ -25,12 +27,9 @@ def free_port() -> int:
 
 
 def context() -> multiprocessing.context.BaseContext:
-    """forkserver (a clean interpreter that imported torch once), else spawn; never fork pytest."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    """forkserver (a clean interpreter that imported torch once, shared with training-utils'
+    `run_distributed`), else spawn; never fork pytest."""
+    return forkserver_context(_PRELOAD)
 
 
 def run_processes(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 60.0) -> list:

@@ -2,7 +2,9 @@
 distributed code in every miles package (real process groups, never mocked collectives).
 
 Workers are forked from a "forkserver" that imports the heavy modules once, so a multi-rank test
-costs its imports once per session instead of once per rank and test. Example::
+costs its imports once per session instead of once per rank and test. Callers name the modules
+their workers need (`preload=`); the server holds the union of every list asked for so far and is
+restarted only when a call names a module it lacks. Example::
 
     from miles.backends.training_utils.testing import run_distributed
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
@@ -62,12 +65,11 @@ def run_distributed(
     `fn` must be a module-level function (it travels by pickle), and so must its results.
     Workers run with $MILES_DEVICE=cpu and one intra-op thread. If any rank raises, dies or is
     still running after `timeout_s`, raises DistributedWorkerError with every failed traceback.
-    `preload` names the modules the fork server imports once; the first call of a process starts
-    the fork server, so its list is the one that counts.
+    `preload` names the modules the fork server imports once (see `forkserver_context`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context(preload)
+    ctx = forkserver_context(preload)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     processes, readers = [], []
     for rank in range(world_size):
@@ -103,12 +105,31 @@ def run_distributed(
     return [reports[rank][1] for rank in range(world_size)]
 
 
-def _context(preload: tuple[str, ...]) -> multiprocessing.context.BaseContext:
+def forkserver_context(preload: tuple[str, ...]) -> multiprocessing.context.BaseContext:
+    """A multiprocessing context whose processes fork from a server that has imported `preload`.
+
+    multiprocessing keeps one fork server per process and fixes its preload list when it starts,
+    so a second caller with other modules would otherwise make every worker import them again
+    (megatron-core alone is ~11 s per process here). The server instead holds the union of every
+    list asked for: a call naming a module it lacks restarts it once with the union, and calls
+    naming a subset reuse it. Names that are not installed are skipped by the server. Falls back
+    to "spawn" where forkserver does not exist.
+    """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    wanted = _served_preload | set(preload)
+    if wanted != _served_preload:
+        # A server started with a smaller list is stopped; the next Process.start() starts the
+        # new one. Workers already forked from the old server are unaffected.
+        multiprocessing.forkserver._forkserver._stop()
+        _served_preload.update(wanted)
+    ctx.set_forkserver_preload(sorted(_served_preload))
     return ctx
+
+
+# The modules the running (or next) fork server of this process imports.
+_served_preload: set[str] = set()
 
 
 def _collect(readers: list, timeout_s: float) -> dict[int, tuple[bool, Any]]:
