@@ -24,7 +24,7 @@ def test_jsonl_records_every_step_and_writes_nan_as_null(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1e-3}
 
 
-def test_resuming_drops_records_from_the_resume_point_on(tmp_path):
+def test_resuming_moves_records_from_the_resume_point_on_into_a_file_of_their_own(tmp_path):
     writer = JsonlWriter(tmp_path / METRICS_FILE)
     for step in range(4):
         writer.log({"rollout_id": step, "x": step})
@@ -33,6 +33,12 @@ def test_resuming_drops_records_from_the_resume_point_on(tmp_path):
     resumed.log({"rollout_id": 2, "x": 20})
     resumed.close()
     assert [r["x"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 20]
+    (dropped,) = tmp_path.glob("metrics.dropped-*.jsonl")
+    assert [r["x"] for r in read_metrics(dropped)] == [2, 3]  # nothing written is lost
+    JsonlWriter(tmp_path / METRICS_FILE, resume_from=1).close()  # a second resume, same second
+    assert len(list(tmp_path.glob("metrics.dropped-*.jsonl"))) == 2
+    JsonlWriter(tmp_path / METRICS_FILE, resume_from=1).close()  # nothing past it: no new file
+    assert len(list(tmp_path.glob("metrics.dropped-*.jsonl"))) == 2
 
 
 def test_a_torn_last_line_is_skipped(tmp_path, caplog):

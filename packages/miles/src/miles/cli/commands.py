@@ -24,8 +24,13 @@ def run_train(argv: list[str]) -> int:
         force=True,
     )
     from miles.train import train
+    from miles.utils.run_dirs import RunDirectoryError
 
-    train(config)
+    try:
+        train(config)
+    except RunDirectoryError as err:  # found before anything started: one line is the story
+        print(f"miles train: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

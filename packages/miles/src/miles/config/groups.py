@@ -242,6 +242,9 @@ class LoggingConfig:
 
     output_dir: str = "runs/miles"
     """Run directory: metrics.jsonl, TensorBoard events, plots and engine logs."""
+    overwrite_output_dir: bool = False
+    """Let a fresh run use an --output-dir that holds another run's metrics (refused otherwise);
+    the old metrics.jsonl is kept beside the new one as metrics.replaced-<time>.jsonl."""
     use_tensorboard: bool = False
     """Also write TensorBoard events (needs `miles[tensorboard]`)."""
     use_wandb: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,10 @@ class MilesConfig:
         return training.num_rollout
 
 
+# What Hugging Face accepts as a repository id: "name" or "org/name", no leading dot.
+_HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")
+
+
 def _absolute_paths(config: MilesConfig) -> None:
     """Relative paths resolved against the launch directory: Ray workers run elsewhere."""
 
@@ -194,8 +199,14 @@ def _absolute_paths(config: MilesConfig) -> None:
 
     checkpoint, training, logging_ = config.checkpoint, config.training, config.logging
     if os.path.exists(os.path.expanduser(checkpoint.hf_checkpoint)):
-        # Otherwise a hub id ("Qwen/Qwen3-0.6B"), which transformers resolves itself.
         checkpoint.hf_checkpoint = absolute(checkpoint.hf_checkpoint)
+    elif not _HUB_ID.fullmatch(checkpoint.hf_checkpoint):
+        # A hub id ("Qwen/Qwen3-0.6B") is resolved by transformers; anything else is a path,
+        # and a missing one would otherwise fail as a malformed hub id after the start-up.
+        raise ValueError(
+            f"--hf-checkpoint {checkpoint.hf_checkpoint}: no such directory; pass an existing "
+            "Hugging Face checkpoint directory or a hub id (org/name)"
+        )
     checkpoint.save, checkpoint.load = absolute(checkpoint.save), absolute(checkpoint.load)
     config.data.prompt_data = absolute(config.data.prompt_data)
     if config.eval.eval_prompt_data:

@@ -1,8 +1,9 @@
 """`Run`: the processes of one training run and the steps the loop calls on them.
 
-Entering a `Run` connects to Ray, reserves the placement group, starts the rollout manager (which
-starts the engines) and the training group, and resumes from `--load`; leaving it stops everything,
-also after an error or Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing
+Entering a `Run` checks the directories it will read and write (`miles.utils.run_dirs`), connects
+to Ray, reserves the placement group, starts the rollout manager (which starts the engines) and the
+training group, and resumes from `--load`; leaving it stops everything, also after an error or
+Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing
 recorded, so the loop itself reads as the algorithm.
 """
 
@@ -32,6 +33,7 @@ from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
+from miles.utils.run_dirs import checkpoint_to_resume, claim_output_dir
 from miles.utils.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,13 @@ class Run:
         """Start everything, overlapping what can overlap: the engine processes load their model
         while the rollout manager reads the prompts and the train ranks build theirs."""
         config, cluster, training = self.config, self.config.cluster, self.config.training
+        # Before Ray starts anything: a wrong --load or a taken --output-dir fails in a second.
+        resumed = checkpoint_to_resume(config.checkpoint.load, config.checkpoint.save)
+        claim_output_dir(
+            config.logging.output_dir,
+            resuming=resumed is not None,
+            overwrite=config.logging.overwrite_output_dir,
+        )
         clock = StartupClock()
         with clock.phase("ray"):
             has_gpus = self._join_ray()

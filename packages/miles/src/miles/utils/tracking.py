@@ -1,8 +1,9 @@
 """Where a run's metrics go: a JSONL file always, TensorBoard and Weights & Biases when asked.
 
 `<output_dir>/metrics.jsonl` holds one JSON object per logged step (`{"rollout_id": N, ...}`) and is
-what `miles plot` reads. Appending to an existing file (a resumed run) first drops lines of rollouts
-at or after the resume point, so the file never holds one rollout twice.
+what `miles plot` reads. Appending to an existing file (a resumed run) first moves the lines of
+rollouts at or after the resume point into a file of their own beside it, so the file never holds
+one rollout twice and nothing written is lost.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,18 @@ class JsonlWriter:
         self._file = self.path.open("a")
 
     def _truncate(self, resume_from: int) -> None:
-        kept = [r for r in read_metrics(self.path) if r.get("rollout_id", -1) < resume_from]
+        records = read_metrics(self.path)
+        kept = [r for r in records if r.get("rollout_id", -1) < resume_from]
+        dropped = [r for r in records if r.get("rollout_id", -1) >= resume_from]
+        if dropped:
+            # The resumed run logs these rollouts again; the first attempt's lines stay on disk.
+            name = f"dropped-{time.strftime('%Y%m%dT%H%M%S')}"
+            backup = unused_sibling(self.path, name)
+            backup.write_text("".join(json.dumps(r) + "\n" for r in dropped))
+            logger.info(
+                "resuming at rollout %d: %d earlier records of rollouts >= %d moved to %s",
+                resume_from, len(dropped), resume_from, backup,
+            )  # fmt: skip
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict[str, Any]) -> None:
@@ -38,6 +51,17 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def unused_sibling(path: Path, label: str) -> Path:
+    """A free name beside `path` for a copy of its records: `metrics.<label>.jsonl`, numbered
+    when taken (two restarts within one second)."""
+    candidate = path.with_name(f"{path.stem}.{label}{path.suffix}")
+    number = 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.stem}.{label}-{number}{path.suffix}")
+    return candidate
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
