@@ -4,6 +4,7 @@ never attends across documents, the resume / sleep / export life cycle, and refu
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import socket
 from pathlib import Path
@@ -304,6 +305,20 @@ def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -
     actor.save_model(0)
     saved = full_params(actor.engine.model)
 
+    # A step whose gradient is not finite is skipped and touches nothing: weights, the optimizer's
+    # moments and step counts, and the schedule stay as they were.
+    state, schedule = _optimizer_state(actor.engine.optimizer), actor.engine.lr_scheduler.last_epoch
+    poisoned = {**batch, "rewards": [math.nan] * len(batch["rewards"])}
+    poisoned_steps = actor.train(1, local_shard(poisoned, rank, 2))
+    after = _optimizer_state(actor.engine.optimizer)
+    skipped_untouched = (
+        all(not math.isfinite(step["train/grad_norm"]) for step in poisoned_steps)
+        and all(torch.equal(saved[n], p) for n, p in full_params(actor.engine.model).items())
+        and state.keys() == after.keys()
+        and all(torch.equal(state[k], after[k]) for k in state)
+        and actor.engine.lr_scheduler.last_epoch == schedule
+    )
+
     actor.sleep()
     with pytest.raises(RuntimeError, match="wake_up"):
         actor.train(1, local_shard(batch, rank, 2))
@@ -325,6 +340,7 @@ def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -
         exported = {n: p.detach() for n, p in model.named_parameters()}
     return {
         "start": start,
+        "skipped_untouched": skipped_untouched,
         "resumed_start": resumed_start,
         "asleep_kept": asleep_kept,
         "restored": restored,
@@ -335,6 +351,18 @@ def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -
     }
 
 
+def _optimizer_state(optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shard of every optimizer state tensor, cloned, keyed by position."""
+    state = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    state[f"{g}/{i}/{key}"] = local.detach().clone()
+    return state
+
+
 def test_resume_sleep_and_export_keep_the_trained_weights(tmp_path):
     checkpoint = build_checkpoint(tmp_path / "ckpt")
     results = run_distributed(
@@ -342,6 +370,7 @@ def test_resume_sleep_and_export_keep_the_trained_weights(tmp_path):
     )
     for rank, result in enumerate(results):
         assert result["start"] == 0
+        assert result["skipped_untouched"], f"rank {rank}: a skipped step changed the state"
         assert result["resumed_start"] == 1, "the next rollout after the saved rollout 0"
         assert result["asleep_kept"], f"rank {rank}: sleep / wake_up changed the weights"
         assert result["restored"], f"rank {rank}: resuming did not restore the saved weights"

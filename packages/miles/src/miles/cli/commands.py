@@ -24,6 +24,7 @@ def run_train(argv: list[str]) -> int:
         force=True,
     )
     from miles.train import train
+    from miles.utils.divergence import DivergenceError
     from miles.utils.run_dirs import RunDirectoryError
 
     try:
@@ -31,6 +32,9 @@ def run_train(argv: list[str]) -> int:
     except RunDirectoryError as err:  # found before anything started: one line is the story
         print(f"miles train: error: {err}", file=sys.stderr)
         return 2
+    except DivergenceError as err:  # every rollout so far is logged; the cause is the story
+        print(f"miles train: stopped: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -136,9 +136,19 @@ class TrainingConfig:
     check_weight_sync_tolerance: float | None = 0.1
     """Step-0 check: the largest allowed mean |trainer - engine| log-prob gap after the first
     weight update; None skips the check."""
+    max_consecutive_nonfinite_steps: int = 3
+    """Stop the run after this many optimizer steps in a row with a non-finite gradient norm
+    (each is skipped, leaving weights and optimizer state as they were)."""
+    collapse_window: int = 5
+    """Warn when the policy looks collapsed (entropy near ln(vocabulary), gradient norm exactly 0,
+    or every reward at the lowest seen) for this many rollouts in a row."""
+    abort_on_collapse: bool = False
+    """Stop the run on collapse instead of warning."""
 
     def __post_init__(self) -> None:
         _at_least(self.global_batch_size, 1, "--global-batch-size")
+        _at_least(self.max_consecutive_nonfinite_steps, 1, "--max-consecutive-nonfinite-steps")
+        _at_least(self.collapse_window, 1, "--collapse-window")
         _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
         _at_least(self.num_rollout, 1, "--num-rollout")
         _at_least(self.num_epoch, 1, "--num-epoch")

@@ -10,6 +10,7 @@ recorded, so the loop itself reads as the algorithm.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from miles.ray.run_spec import TrainRunSpec
 from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.console import ConsoleView
+from miles.utils.divergence import DivergenceGuard, vocab_size
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
 from miles.utils.run_dirs import checkpoint_to_resume, claim_output_dir
 from miles.utils.tracking import Tracker
@@ -61,6 +63,12 @@ class Run:
         self._weight_sync_to_check = (
             config.training.check_weight_sync_tolerance is not None
             and loss_spec(config.algorithm).on_policy
+        )
+        self.guard = DivergenceGuard(
+            max_consecutive_nonfinite_steps=config.training.max_consecutive_nonfinite_steps,
+            collapse_window=config.training.collapse_window,
+            abort_on_collapse=config.training.abort_on_collapse,
+            vocab_size=vocab_size(config.checkpoint.hf_checkpoint),
         )
 
     # -- set-up and tear-down ------------------------------------------------------------------
@@ -272,12 +280,15 @@ class Run:
         self._phase("train", rollout.rollout_id)
         start = time.perf_counter()
         steps = self.trainers.train(rollout.rollout_id, rollout.data)
+        self.guard.record_steps(rollout.rollout_id, steps)
         metrics = {
             (k if "/" in k else f"train/{k}"): v
             for k, v in (steps[-1] if steps else {}).items()
             if isinstance(v, int | float)
         }
-        return {**metrics, "time/train_s": time.perf_counter() - start}
+        skipped = sum(not math.isfinite(s.get("train/grad_norm", math.nan)) for s in steps)
+        return {**metrics, "train/skipped_steps": float(skipped),
+                "time/train_s": time.perf_counter() - start}  # fmt: skip
 
     def maybe_save(self, rollout_id: int) -> dict[str, float]:
         checkpoint = self.config.checkpoint
@@ -341,11 +352,13 @@ class Run:
         return metrics
 
     def finish_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Log everything measured for this rollout; returns it."""
+        """Log everything measured for this rollout, then stop the run if it diverged (a
+        DivergenceError); returns the metrics."""
         assert self.tracker is not None
         self.tracker.log(metrics, step=rollout_id)
         if self.console is not None:
             self.console.record(rollout_id, metrics)
+        self.guard.check(rollout_id, metrics)
         return metrics
 
 

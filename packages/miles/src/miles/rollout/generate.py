@@ -365,4 +365,6 @@ class _Rollout:
         })  # fmt: skip
         if rewards:
             metrics["rollout/reward_mean"] = sum(rewards) / len(rewards)
+            metrics["rollout/reward_min"] = float(min(rewards))
+            metrics["rollout/reward_max"] = float(max(rewards))
         return metrics
