@@ -1,9 +1,9 @@
 """The train loop end to end with tiny settings: real Ray, FSDP on gloo, the reference engine.
 
 Each test is a whole `miles train` (in-process, sharing one local Ray instance): disaggregated and
-colocated placement, the one-step-async loop, the disaggregated run's saved rollouts replayed
-(training as that run did), and that run crashed while saving, resumed from its last complete
-checkpoint, matching the uninterrupted one. The disaggregated run is made once, for all three.
+colocated placement, the one-step-async loop, a diverging run that stops itself, the disaggregated
+run's saved rollouts replayed (training as that run did), and that run crashed while saving,
+resumed from its last complete checkpoint, matching the uninterrupted one. The disaggregated run is made once, for all three.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
 from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE
+from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.timeout(900)
@@ -94,6 +95,19 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     )  # fmt: skip
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     assert all("train/loss" in r for r in records)
+
+
+def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged(assets, tmp_path):
+    # lr 1e30: the first step is finite and throws the weights to ~1e30, every later forward
+    # overflows, and its step is skipped. Four steps per rollout: 1 applied, then 3 skipped. The
+    # entropy bonus gives a gradient even when every reward is the same (no advantage).
+    with pytest.raises(DivergenceError, match="3 optimizer steps in a row") as error:
+        run(assets, tmp_path, "--num-rollout", "2", "--rollout-num-gpus", "1", "--lr", "1e30",
+            "--entropy-coef", "0.01", "--global-batch-size", "2",
+            "--max-consecutive-nonfinite-steps", "3")  # fmt: skip
+    assert "rollout 0 step 2, rollout 0 step 3, rollout 0 step 4" in str(error.value)
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")  # the stopped rollout is on record
+    assert record["rollout_id"] == 0 and record["train/skipped_steps"] == 3
 
 
 def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path, disaggregated):
