@@ -40,8 +40,11 @@ def numbered_rows(n):
     return [{"input": f"prompt {i}", "label": str(i)} for i in range(n)]
 
 
-def load(path, tokenizer, **overrides):
-    return PromptDataset(DataSourceConfig(prompt_data=str(path), **overrides), tokenizer)
+def load(path, tokenizer, *, labels_required=False, context_length=None, **overrides):
+    config = DataSourceConfig(prompt_data=str(path), **overrides)
+    return PromptDataset(
+        config, tokenizer, labels_required=labels_required, context_length=context_length
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,7 @@ def test_chat_template_renders_messages_and_wraps_plain_strings_as_a_user_turn(t
 
 def test_chat_messages_without_apply_chat_template_are_refused(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"input": [{"role": "user", "content": "Hi"}]}])
-    with pytest.raises(ValueError, match=r"row 0.*--apply-chat-template"):
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1.*--apply-chat-template"):
         load(path, tokenizer, label_key=None)
 
 
@@ -178,10 +181,49 @@ def test_missing_column_errors_list_the_columns(tmp_path, tokenizer, overrides, 
         (["fine", ""], 1),
     ],
 )
-def test_rows_whose_input_is_not_a_prompt_are_named(tmp_path, tokenizer, inputs, bad_row):
+def test_rows_whose_input_is_not_a_prompt_are_named_by_file_line(
+    tmp_path, tokenizer, inputs, bad_row
+):
     path = write_jsonl(tmp_path / "data.jsonl", [{"input": value} for value in inputs])
-    with pytest.raises(ValueError, match=rf"row {bad_row} \(0-based\)"):
+    with pytest.raises(ValueError, match=rf"data\.jsonl:{bad_row + 1}\b"):  # lines count from 1
         load(path, tokenizer, label_key=None, apply_chat_template=isinstance(inputs[0], list))
+
+
+def test_line_numbers_are_the_files_own_with_blank_lines_counted(tmp_path, tokenizer):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"input": "a", "label": "1"}\n\n\n{"input": "b"}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:4: no label \(column 'label'\)"):
+        load(path, tokenizer, labels_required=True)
+    array = tmp_path / "data.json"
+    array.write_text(json.dumps([{"input": "a", "label": "1"}, {"input": "b", "label": None}]))
+    with pytest.raises(ValueError, match=r"data\.json row 2: no label"):
+        load(array, tokenizer, labels_required=True)
+    assert len(load(path, tokenizer)) == 2  # a reward that reads no label: the row is fine
+
+
+def test_a_json_error_names_the_line_that_broke(tmp_path, tokenizer):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"input": "a"}\n\n{"input": "b"}\n{"input": \n{"input": "c"}\n')
+    with pytest.raises(ValueError, match=r"cannot read it as json: line 4: "):
+        load(broken, tokenizer)
+
+
+def test_prompts_that_fill_the_context_are_dropped_and_counted_or_refused_when_strict(
+    tmp_path, tokenizer, caplog
+):
+    rows = [{"input": "x" * n, "label": str(n)} for n in (3, 12, 5, 30)]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="miles.rollout"):
+        dataset = load(path, tokenizer, context_length=10)  # room for 9 prompt tokens
+    assert [dataset[i].label for i in range(len(dataset))] == ["3", "5"]
+    assert dataset.dropped_by == {"the model's context": 2}
+    assert "dropped 2 of 4 prompts" in caplog.text and "--rollout-max-prompt-len" in caplog.text
+    with pytest.raises(
+        ValueError, match=r"data\.jsonl:2: the prompt has 12 tokens, over the model's context \(9\)"
+    ):
+        load(path, tokenizer, context_length=10, strict_data=True)
+    with pytest.raises(ValueError, match=r"data\.jsonl:4: .* over --rollout-max-prompt-len 20"):
+        load(path, tokenizer, rollout_max_prompt_len=20, strict_data=True)
 
 
 def test_length_filter_drops_long_prompts_and_logs_how_many(tmp_path, tokenizer, caplog):
@@ -197,7 +239,9 @@ def test_length_filter_drops_long_prompts_and_logs_how_many(tmp_path, tokenizer,
 
 def test_a_filter_that_drops_every_prompt_says_how_many_were_dropped(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "data.jsonl", [{"input": "long prompt"}] * 3)
-    with pytest.raises(ValueError, match=r"all 3 rows were dropped by --rollout-max-prompt-len 2"):
+    with pytest.raises(
+        ValueError, match=r"all 3 rows were dropped \(3 by --rollout-max-prompt-len 2"
+    ):
         load(path, tokenizer, label_key=None, rollout_max_prompt_len=2)
 
 

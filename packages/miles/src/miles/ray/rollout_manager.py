@@ -33,8 +33,10 @@ from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDa
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 from miles.rollout.rewards import RewardHub
+from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
+from miles.utils.hf_config import hf_config_value
 from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
 
 logger = logging.getLogger(__name__)
@@ -135,7 +137,7 @@ class RolloutManager:
         from transformers import AutoTokenizer  # seconds of imports: see the module docstring
 
         tokenizer = AutoTokenizer.from_pretrained(self.config.checkpoint.hf_checkpoint)
-        dataset = PromptDataset(self.config.data, tokenizer)
+        dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
         return _Prompts(
             dataset=dataset,
             source=RolloutDataSource(dataset, self.config.data),
@@ -166,8 +168,18 @@ class RolloutManager:
                     "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
                 }
             )
-            sources[name] = (PromptDataset(data_config, tokenizer), data_config)
+            dataset = PromptDataset(data_config, tokenizer, **self._row_checks())
+            sources[name] = (dataset, data_config)
         return sources
+
+    def _row_checks(self) -> dict[str, Any]:
+        """What PromptDataset checks each row against: labels, where the reward reads them,
+        and the model's context length (from its config.json)."""
+        context = hf_config_value(self.config.checkpoint.hf_checkpoint, "max_position_embeddings")
+        return {
+            "labels_required": self.config.reward.rm_type in BUILTIN_RM_TYPES,
+            "context_length": int(context) if context else None,
+        }
 
     # -- engines -----------------------------------------------------------------------------
 

@@ -41,7 +41,11 @@ class DataSourceConfig:
     """Render prompts with the tokenizer's chat template (with the generation prompt); a plain
     string becomes one user message. Without it, prompts must be strings and are used as is."""
     rollout_max_prompt_len: int | None = None
-    """Drop prompts longer than this many tokens (after rendering); None keeps all."""
+    """Drop prompts longer than this many tokens (after rendering); None keeps all (prompts
+    that fill the model's whole context are always dropped: nothing could be generated)."""
+    strict_data: bool = False
+    """Refuse the data at the first row that would be dropped (too long for
+    --rollout-max-prompt-len or for the model's context), naming its file and line."""
     rollout_shuffle: bool = True
     """Serve each epoch in a fresh seeded random order; False serves the file order every epoch."""
     rollout_seed: int = 42
@@ -84,18 +88,33 @@ class PromptRecord:
 
 
 class PromptDataset:
-    """Every prompt of `--prompt-data` that passes the length filter, in file order.
+    """Every prompt of `--prompt-data` that passes the length filters, in file order.
 
-    Rendering and tokenization happen once, here, so the length filter and the data source's
-    counts (epochs, resume checks) agree on which prompts exist.
+    Rendering and tokenization happen once, here, so the length filters and the data source's
+    counts (epochs, resume checks) agree on which prompts exist. Every row is checked here, at
+    load, and an error names its file and 1-based line (row, for JSON arrays and Parquet).
     """
 
     dropped: int
-    """How many prompts the --rollout-max-prompt-len filter removed."""
+    """How many prompts the length filters removed."""
+    dropped_by: dict[str, int]
+    """The same, by the limit that removed them (e.g. "the model's context")."""
 
-    def __init__(self, config: DataSourceConfig, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: DataSourceConfig,
+        tokenizer: Any,
+        *,
+        labels_required: bool = False,
+        context_length: int | None = None,
+    ) -> None:
+        """`labels_required`: the reward reads the label, so a row without one is an error.
+        `context_length`: the model's (prompt + response) token limit; a prompt that fills it
+        is dropped (an engine refuses it)."""
         self.config = config
-        table = _read_table(Path(config.prompt_data))
+        path = Path(config.prompt_data)
+        table = _read_table(path)
+        where = _row_locations(path, len(table))
         columns = list(table.column_names)
         inputs = table[_require_column(config.input_key, "--input-key", config, columns)]
         labels = (
@@ -105,50 +124,63 @@ class PromptDataset:
         )
         metadata = _metadata_column(table, config, columns)
 
-        prompts = [_render(row, value, config, tokenizer) for row, value in enumerate(inputs)]
+        prompts = [
+            _render(where[row], value, config, tokenizer) for row, value in enumerate(inputs)
+        ]
         # A chat template writes its own special tokens (BOS included, where the model has one);
         # plain text gets the tokenizer's usual ones, as an engine given the text would add.
         ids = tokenizer(prompts, add_special_tokens=not config.apply_chat_template)["input_ids"]
 
         self._records: list[PromptRecord] = []
-        limit = config.rollout_max_prompt_len
+        limits = _length_limits(config.rollout_max_prompt_len, context_length)
+        self.dropped_by = dict.fromkeys(limits, 0)
         for row, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
             if not prompt_ids:
                 raise ValueError(
-                    f"--prompt-data {config.prompt_data}: row {row} (0-based) renders to an empty "
-                    f"prompt (column {config.input_key!r}); remove the row or fill it in"
+                    f"{where[row]}: renders to an empty prompt (column {config.input_key!r}); "
+                    "remove the row or fill it in"
                 )
-            if limit is not None and len(prompt_ids) > limit:
+            if labels_required and labels[row] is None:
+                raise ValueError(
+                    f"{where[row]}: no label (column {config.label_key!r}), and the reward "
+                    "compares answers with it; fill it in or remove the row"
+                )
+            reason = next((r for r, limit in limits.items() if len(prompt_ids) > limit), None)
+            if reason is not None:
+                if config.strict_data:
+                    raise ValueError(
+                        f"{where[row]}: the prompt has {len(prompt_ids)} tokens, over {reason} "
+                        f"({limits[reason]}); shorten or remove the row, or drop --strict-data "
+                        "to skip such rows"
+                    )
+                self.dropped_by[reason] += 1
                 continue
             self._records.append(
                 PromptRecord(
                     prompt=prompt,
                     prompt_ids=list(prompt_ids),
                     label=_label_text(labels[row]),
-                    metadata=_metadata_dict(row, metadata[row], config),
+                    metadata=_metadata_dict(where[row], metadata[row], config),
                 )
             )
         self.dropped = len(prompts) - len(self._records)
-        self._report_filter(total=len(prompts), lengths=[len(i) for i in ids])
+        self._report_filter(total=len(prompts), lengths=[len(i) for i in ids], limits=limits)
 
-    def _report_filter(self, *, total: int, lengths: list[int]) -> None:
-        limit = self.config.rollout_max_prompt_len
-        if self.dropped:
-            logger.warning(
-                "--rollout-max-prompt-len %d: dropped %d of %d prompts from %s "
-                "(longest prompt: %d tokens); %d remain",
-                limit,
-                self.dropped,
-                total,
-                self.config.prompt_data,
-                max(lengths),
-                len(self._records),
-            )
+    def _report_filter(self, *, total: int, lengths: list[int], limits: dict[str, int]) -> None:
+        for reason, count in self.dropped_by.items():
+            if count:
+                logger.warning(
+                    "dropped %d of %d prompts from %s: longer than %s (%d tokens; longest "
+                    "prompt: %d); set --rollout-max-prompt-len to choose the limit, or "
+                    "--strict-data to refuse such data",
+                    count, total, self.config.prompt_data, reason, limits[reason], max(lengths),
+                )  # fmt: skip
         if not self._records:
+            dropped = ", ".join(f"{n} by {reason}" for reason, n in self.dropped_by.items() if n)
             raise ValueError(
                 f"--prompt-data {self.config.prompt_data}: no prompts left: all {total} rows were "
-                f"dropped by --rollout-max-prompt-len {limit} (longest prompt: {max(lengths)} "
-                f"tokens, shortest: {min(lengths)}); raise --rollout-max-prompt-len"
+                f"dropped ({dropped}; longest prompt: {max(lengths)} tokens, shortest: "
+                f"{min(lengths)}); raise --rollout-max-prompt-len or shorten the prompts"
             )
         logger.info(
             "loaded %d prompts from %s (%d dropped)",
@@ -175,6 +207,10 @@ def _read_table(path: Path) -> datasets.Dataset:
             "pass the path of a local .jsonl, .json or .parquet file"
         )
     builder = _BUILDERS[path.suffix.lower()]
+    # Checked here, by line: the readers behind `datasets` count rows from 0 or name nothing.
+    bad = _first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
+    if bad is not None:
+        raise ValueError(f"--prompt-data {path}: cannot read it as {builder}: {bad}")
     no_rows = f"--prompt-data {path} has no rows; it must hold at least one prompt"
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -189,6 +225,43 @@ def _read_table(path: Path) -> datasets.Dataset:
     if len(table) == 0:
         raise ValueError(no_rows)
     return table
+
+
+def _length_limits(max_prompt_len: int | None, context_length: int | None) -> dict[str, int]:
+    """The prompt-length limits in force, by the name a message gives them."""
+    limits = {}
+    if max_prompt_len is not None:
+        limits[f"--rollout-max-prompt-len {max_prompt_len}"] = max_prompt_len
+    if context_length is not None:
+        # A prompt must leave room for one generated token.
+        limits["the model's context"] = context_length - 1
+    return limits
+
+
+def _row_locations(path: Path, num_rows: int) -> list[str]:
+    """How an error names each row: `file:line` (1-based) for JSONL, whose rows are its non-blank
+    lines; `file row N` (1-based) for JSON arrays and Parquet."""
+    if path.suffix.lower() == ".jsonl":
+        with path.open("rb") as f:
+            lines = [number for number, line in enumerate(f, 1) if line.strip()]
+        if len(lines) == num_rows:
+            return [f"--prompt-data {path}:{number}" for number in lines]
+    return [f"--prompt-data {path} row {row + 1}" for row in range(num_rows)]
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """`line N: <why>` for the first non-blank line of a JSONL file that is not a JSON object."""
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                return f"line {number}: {err}"
+            if not isinstance(row, dict):
+                return f"line {number}: a JSON {type(row).__name__}, not an object"
+    return None
 
 
 def _require_column(key: str, flag: str, config: DataSourceConfig, columns: list[str]) -> str:
@@ -210,9 +283,9 @@ def _metadata_column(
     return table[_require_column(key, "--metadata-key", config, columns)]
 
 
-def _render(row: int, value: Any, config: DataSourceConfig, tokenizer: Any) -> str:
+def _render(location: str, value: Any, config: DataSourceConfig, tokenizer: Any) -> str:
     """The prompt text of one row: the string itself, or its messages through the chat template."""
-    where = f"--prompt-data {config.prompt_data}: row {row} (0-based), column {config.input_key!r}"
+    where = f"{location}, column {config.input_key!r}"
     if isinstance(value, str):
         if not config.apply_chat_template:
             return value
@@ -252,12 +325,12 @@ def _label_text(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _metadata_dict(row: int, value: Any, config: DataSourceConfig) -> dict[str, Any]:
+def _metadata_dict(location: str, value: Any, config: DataSourceConfig) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ValueError(
-            f"--prompt-data {config.prompt_data}: row {row} (0-based), --metadata-key column "
-            f"{config.metadata_key!r} must hold a dict (or null), got {_describe(value)}"
+            f"{location}: --metadata-key column {config.metadata_key!r} must hold a dict (or "
+            f"null), got {_describe(value)}"
         )
     return value

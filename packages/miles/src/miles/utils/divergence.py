@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+
+from miles.utils.hf_config import hf_config_value
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +108,6 @@ class DivergenceGuard:
 
 
 def vocab_size(hf_checkpoint: str) -> int | None:
-    """`vocab_size` of a local checkpoint's config.json (also under `text_config`); None for a
-    hub id or a config without one."""
-    path = Path(hf_checkpoint) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    """The model's vocabulary size from a local checkpoint; None for a hub id."""
+    size = hf_config_value(hf_checkpoint, "vocab_size")
     return int(size) if size else None
