@@ -97,14 +97,19 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     assert all("train/loss" in r for r in records)
 
 
-def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged(assets, tmp_path):
+def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged(
+    assets, tmp_path, disaggregated
+):
     # lr 1e30: the first step is finite and throws the weights to ~1e30, every later forward
     # overflows, and its step is skipped. Four steps per rollout: 1 applied, then 3 skipped. The
-    # entropy bonus gives a gradient even when every reward is the same (no advantage).
+    # entropy bonus gives a gradient even when every reward is the same (no advantage). The
+    # disaggregated run's rollouts are replayed: no engine to start.
+    _, pattern, _ = disaggregated
     with pytest.raises(DivergenceError, match="3 optimizer steps in a row") as error:
         run(assets, tmp_path, "--num-rollout", "2", "--rollout-num-gpus", "1", "--lr", "1e30",
             "--entropy-coef", "0.01", "--global-batch-size", "2",
-            "--max-consecutive-nonfinite-steps", "3")  # fmt: skip
+            "--max-consecutive-nonfinite-steps", "3",
+            "--debug-train-only", "--load-debug-rollout-data", pattern)  # fmt: skip
     assert "rollout 0 step 2, rollout 0 step 3, rollout 0 step 4" in str(error.value)
     (record,) = read_metrics(tmp_path / "metrics.jsonl")  # the stopped rollout is on record
     assert record["rollout_id"] == 0 and record["train/skipped_steps"] == 3
