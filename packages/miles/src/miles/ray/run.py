@@ -3,8 +3,8 @@
 Entering a `Run` checks the directories it will read and write (`miles.utils.run_dirs`), connects
 to Ray, reserves the placement group, starts the rollout manager (which starts the engines) and the
 training group, and resumes from `--load`; leaving it stops everything, also after an error or
-Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing
-recorded, so the loop itself reads as the algorithm.
+Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing recorded, so the
+loop itself reads as the algorithm.
 """
 
 from __future__ import annotations

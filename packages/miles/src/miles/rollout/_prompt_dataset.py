@@ -168,13 +168,15 @@ class PromptDataset:
 
     def _report_filter(self, *, total: int, lengths: list[int], limits: dict[str, int]) -> None:
         for reason, count in self.dropped_by.items():
-            if count:
-                logger.warning(
-                    "dropped %d of %d prompts from %s: longer than %s (%d tokens; longest "
-                    "prompt: %d); set --rollout-max-prompt-len to choose the limit, or "
-                    "--strict-data to refuse such data",
-                    count, total, self.config.prompt_data, reason, limits[reason], max(lengths),
-                )  # fmt: skip
+            if not count:
+                continue
+            own_limit = reason.startswith("--rollout-max-prompt-len")
+            hint = "" if own_limit else "--rollout-max-prompt-len sets a lower limit; "
+            logger.warning(
+                "dropped %d of %d prompts from %s: longer than %s (%d tokens; longest prompt: "
+                "%d); %s--strict-data refuses such data instead",
+                count, total, self.config.prompt_data, reason, limits[reason], max(lengths), hint,
+            )  # fmt: skip
         if not self._records:
             dropped = ", ".join(f"{n} by {reason}" for reason, n in self.dropped_by.items() if n)
             raise ValueError(
