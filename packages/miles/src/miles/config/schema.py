@@ -30,6 +30,7 @@ from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement_plan import plan_for_cluster
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rewards import RewardConfig
+from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.plugins import TRAIN_BACKEND_ARGS, load_plugin
 
@@ -276,7 +277,7 @@ def _check_across_groups(config: MilesConfig) -> None:
             )
     if config.data.n_samples_per_prompt != config.rollout.n_samples_per_prompt:
         raise AssertionError("n_samples_per_prompt is one option shared by data and rollout")
-    if config.reward.rm_type in ("math", "exact_match", "f1") and config.data.label_key is None:
+    if config.reward.rm_type in BUILTIN_RM_TYPES and config.data.label_key is None:
         raise ValueError(
             f"--rm-type {config.reward.rm_type} compares answers with the label, but "
             "--label-key is none; name the dataset column holding the answers"

@@ -10,7 +10,6 @@ loop itself reads as the algorithm.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -280,13 +279,12 @@ class Run:
         self._phase("train", rollout.rollout_id)
         start = time.perf_counter()
         steps = self.trainers.train(rollout.rollout_id, rollout.data)
-        self.guard.record_steps(rollout.rollout_id, steps)
+        skipped = self.guard.record_steps(rollout.rollout_id, steps)
         metrics = {
             (k if "/" in k else f"train/{k}"): v
             for k, v in (steps[-1] if steps else {}).items()
             if isinstance(v, int | float)
         }
-        skipped = sum(not math.isfinite(s.get("train/grad_norm", math.nan)) for s in steps)
         return {**metrics, "train/skipped_steps": float(skipped),
                 "time/train_s": time.perf_counter() - start}  # fmt: skip
 

@@ -113,8 +113,8 @@ class PromptDataset:
         is dropped (an engine refuses it)."""
         self.config = config
         path = Path(config.prompt_data)
-        table = _read_table(path)
-        where = _row_locations(path, len(table))
+        table, lines = _read_table(path)
+        where = _row_locations(path, len(table), lines)
         columns = list(table.column_names)
         inputs = table[_require_column(config.input_key, "--input-key", config, columns)]
         labels = (
@@ -198,7 +198,8 @@ class PromptDataset:
         return self._records[i]
 
 
-def _read_table(path: Path) -> datasets.Dataset:
+def _read_table(path: Path) -> tuple[datasets.Dataset, list[int] | None]:
+    """The file's rows, and for JSONL the 1-based file line of each row."""
     # Imported here: `datasets` (with pandas and pyarrow) takes seconds to import, and the
     # configuration imports this module for DataSourceConfig.
     import datasets
@@ -210,9 +211,7 @@ def _read_table(path: Path) -> datasets.Dataset:
         )
     builder = _BUILDERS[path.suffix.lower()]
     # Checked here, by line: the readers behind `datasets` count rows from 0 or name nothing.
-    bad = _first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
-    if bad is not None:
-        raise ValueError(f"--prompt-data {path}: cannot read it as {builder}: {bad}")
+    lines = _jsonl_row_lines(path, builder) if path.suffix.lower() == ".jsonl" else None
     no_rows = f"--prompt-data {path} has no rows; it must hold at least one prompt"
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -226,7 +225,7 @@ def _read_table(path: Path) -> datasets.Dataset:
         ) from err
     if len(table) == 0:
         raise ValueError(no_rows)
-    return table
+    return table, lines
 
 
 def _length_limits(max_prompt_len: int | None, context_length: int | None) -> dict[str, int]:
@@ -240,19 +239,18 @@ def _length_limits(max_prompt_len: int | None, context_length: int | None) -> di
     return limits
 
 
-def _row_locations(path: Path, num_rows: int) -> list[str]:
+def _row_locations(path: Path, num_rows: int, lines: list[int] | None) -> list[str]:
     """How an error names each row: `file:line` (1-based) for JSONL, whose rows are its non-blank
     lines; `file row N` (1-based) for JSON arrays and Parquet."""
-    if path.suffix.lower() == ".jsonl":
-        with path.open("rb") as f:
-            lines = [number for number, line in enumerate(f, 1) if line.strip()]
-        if len(lines) == num_rows:
-            return [f"--prompt-data {path}:{number}" for number in lines]
+    if lines is not None and len(lines) == num_rows:
+        return [f"--prompt-data {path}:{number}" for number in lines]
     return [f"--prompt-data {path} row {row + 1}" for row in range(num_rows)]
 
 
-def _first_bad_json_line(path: Path) -> str | None:
-    """`line N: <why>` for the first non-blank line of a JSONL file that is not a JSON object."""
+def _jsonl_row_lines(path: Path, builder: str) -> list[int]:
+    """The 1-based line of each row (non-blank line) of a JSONL file; a line that is not a JSON
+    object is refused naming it."""
+    lines = []
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -260,10 +258,15 @@ def _first_bad_json_line(path: Path) -> str | None:
             try:
                 row = json.loads(line)
             except ValueError as err:
-                return f"line {number}: {err}"
-            if not isinstance(row, dict):
-                return f"line {number}: a JSON {type(row).__name__}, not an object"
-    return None
+                why = str(err)
+            else:
+                why = "" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+            if why:
+                raise ValueError(
+                    f"--prompt-data {path}: cannot read it as {builder}: line {number}: {why}"
+                )
+            lines.append(number)
+    return lines
 
 
 def _require_column(key: str, flag: str, config: DataSourceConfig, columns: list[str]) -> str:

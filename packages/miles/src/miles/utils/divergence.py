@@ -46,15 +46,18 @@ class DivergenceGuard:
     _lowest_reward: float = math.inf
     _streaks: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def record_steps(self, rollout_id: int, steps: Sequence[Mapping[str, float]]) -> None:
-        """Read each optimizer step's metrics, in order (the checks come in `check`, after the
-        rollout's record is logged, so a stopped run still has it)."""
+    def record_steps(self, rollout_id: int, steps: Sequence[Mapping[str, float]]) -> int:
+        """Read each optimizer step's metrics, in order; returns how many were skipped (the
+        checks come in `check`, after the rollout's record is logged, so a stopped run has it)."""
+        skipped = 0
         for step in steps:
             if math.isfinite(step.get("train/grad_norm", math.nan)):
                 self._skipped.clear()
                 self._last_finite = (rollout_id, dict(step))
             else:
                 self._skipped.append((rollout_id, int(step.get("train/step", -1))))
+                skipped += 1
+        return skipped
 
     def check(self, rollout_id: int, metrics: Mapping[str, float]) -> None:
         """Raise DivergenceError at the limit of skipped steps; warn (or raise) on a collapse

@@ -12,7 +12,6 @@ Two promises (architecture.md: "Checkpoints"):
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from miles.utils.checkpoint_layout import POINTER_FILE, latest_rollout_id
@@ -64,6 +63,6 @@ def claim_output_dir(output_dir: str, *, resuming: bool, overwrite: bool) -> Non
             "that run with --load <its --save directory>, or pass --overwrite-output-dir to "
             "start over (the old metrics are kept beside the new ones)"
         )
-    kept = unused_sibling(metrics, f"replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+    kept = unused_sibling(metrics, "replaced")
     metrics.rename(kept)
     logger.warning("--overwrite-output-dir: the earlier run's metrics are now %s", kept)

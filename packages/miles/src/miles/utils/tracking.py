@@ -36,8 +36,7 @@ class JsonlWriter:
         dropped = [r for r in records if r.get("rollout_id", -1) >= resume_from]
         if dropped:
             # The resumed run logs these rollouts again; the first attempt's lines stay on disk.
-            name = f"dropped-{time.strftime('%Y%m%dT%H%M%S')}"
-            backup = unused_sibling(self.path, name)
+            backup = unused_sibling(self.path, "dropped")
             backup.write_text("".join(json.dumps(r) + "\n" for r in dropped))
             logger.info(
                 "resuming at rollout %d: %d earlier records of rollouts >= %d moved to %s",
@@ -53,9 +52,10 @@ class JsonlWriter:
         self._file.close()
 
 
-def unused_sibling(path: Path, label: str) -> Path:
-    """A free name beside `path` for a copy of its records: `metrics.<label>.jsonl`, numbered
-    when taken (two restarts within one second)."""
+def unused_sibling(path: Path, reason: str) -> Path:
+    """A free name beside `path` for a copy of its records: `metrics.<reason>-<time>.jsonl`,
+    numbered when taken (two restarts within one second)."""
+    label = f"{reason}-{time.strftime('%Y%m%dT%H%M%S')}"
     candidate = path.with_name(f"{path.stem}.{label}{path.suffix}")
     number = 1
     while candidate.exists():
