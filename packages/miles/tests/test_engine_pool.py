@@ -1,5 +1,6 @@
 """EnginePool: least-loaded balancing over real reference engines, abort and control broadcasts,
-and /generate through a real sglang-router."""
+/generate through a real sglang-router, and with fault tolerance a lost engine's requests ended
+at once while the others serve."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from miles.backends.sglang_utils.client import EngineClient
 from miles.backends.sglang_utils.router import running_router
-from miles.rollout.engine_pool import EnginePool
+from miles.rollout.engine_pool import EngineLostError, EnginePool
 
 
 def long_request(max_new_tokens: int) -> dict:
@@ -231,3 +232,36 @@ def test_pool_needs_distinct_engine_urls():
         EnginePool([])
     with pytest.raises(ValueError, match="must be distinct"):
         EnginePool(["http://127.0.0.1:9", "http://127.0.0.1:9/"])
+
+
+def test_a_lost_engine_ends_its_requests_at_once_and_new_ones_go_to_the_others(
+    engine_url, second_engine_url
+):
+    async def run():
+        async with EnginePool([engine_url, second_engine_url], fault_tolerant=True) as pool:
+            first = asyncio.create_task(pool.generate(long_request(2000)))
+            await asyncio.sleep(0)
+            assert pool.in_flight() == {engine_url: 1, second_engine_url: 0}
+            await wait_until_running([engine_url], count=1)
+            lost_at = time.monotonic()
+            pool.mark_lost(engine_url, "found dead by the test")
+            with pytest.raises(EngineLostError, match="found dead by the test") as caught:
+                await first
+            ended_s = time.monotonic() - lost_at
+            assert caught.value.url == engine_url
+            answers = [await pool.generate(long_request(4)) for _ in range(3)]
+            served = pool.serving()
+            pool.admit(engine_url)
+            tasks = [asyncio.create_task(pool.generate(long_request(4))) for _ in range(2)]
+            await asyncio.sleep(0)
+            balanced = pool.in_flight()
+            await asyncio.gather(*tasks)
+            await pool.abort_all()  # the engine still decodes the ended request: stop it
+            return ended_s, answers, served, balanced, pool.reissued_requests
+
+    ended_s, answers, served, balanced, reissued = asyncio.run(run())
+    assert ended_s < 1.0
+    assert all(len(a["output_ids"]) == 4 for a in answers)
+    assert served == [second_engine_url]
+    assert balanced == {engine_url: 1, second_engine_url: 1}
+    assert reissued == 1

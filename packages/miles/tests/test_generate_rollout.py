@@ -384,3 +384,34 @@ def test_the_built_in_rollout_is_the_default_of_the_rollout_function_flag():
     for fn in (generate_rollout, sft_rollout):
         first, *rest = inspect.signature(fn).parameters
         assert first == "rollout_id" and set(rest) == keywords
+
+
+def test_a_rollout_sends_the_groups_of_a_lost_engine_again_whole(engine_url, second_engine_url):
+    config = RolloutConfig(
+        rollout_batch_size=6, n_samples_per_prompt=2, rollout_max_response_len=24
+    )
+
+    async def run():
+        async with EnginePool([engine_url, second_engine_url], fault_tolerant=True) as pool:
+
+            async def lose_the_first_engine_once_it_serves():
+                while pool.in_flight()[engine_url] == 0:
+                    await asyncio.sleep(0)
+                pool.mark_lost(engine_url, "killed by the test")
+
+            killer = asyncio.create_task(lose_the_first_engine_once_it_serves())
+            output = await generate_groups(
+                pool, ListDataSource(n=2), reward_by_position, config, rollout_id=0
+            )
+            await killer
+            await pool.abort_all()
+            return output, pool.serving()
+
+    output, serving = asyncio.run(run())
+    assert serving == [second_engine_url]
+    assert output.metrics["rollout/reissued_groups"] >= 1
+    assert [[s.group_index for s in g] for g in output.groups] == [[i, i] for i in range(6)]
+    for group in output.groups:
+        assert [s.reward for s in group] == [0.0, 1.0]
+        for sample in group:
+            check_sample(sample, max_len=24)  # one response each: nothing of the lost attempt

@@ -11,6 +11,7 @@ surplus ones) go back to the data source, to be continued by the next rollout.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.backends.training_utils.import_path import load_function
 from miles.backends.training_utils.sample import Sample, SampleStatus
-from miles.rollout.engine_pool import EnginePool
+from miles.rollout.engine_pool import EngineLostError, EnginePool, EngineUnavailableError
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter
 from miles.rollout.rollout_config import GENERATE_FLAG, RolloutConfig
 from miles.rollout.sample_generation import (
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 # While leftovers drain, abort again this often: a request still on the wire when the previous
 # abort landed would otherwise run to its full length.
 _ABORT_POLL_S = 0.5
+# A group sent again this often has met more dead engines than a run survives: the engines'
+# supervisor stops the run long before (--max-engine-restarts), except behind a router, where a
+# request cannot tell which engine failed it.
+_MAX_GROUP_REISSUES = 8
 
 
 @dataclass
@@ -140,7 +145,8 @@ class _Rollout:
         self.kept: list[int] = []
         self.leftover: list[int] = []
         self.counts = dict.fromkeys(
-            ("rounds", "filtered_groups", "aborted_groups", "resumed_samples"), 0
+            ("rounds", "filtered_groups", "aborted_groups", "resumed_samples", "reissued_groups"),
+            0,
         )
         self.engine_aborted = 0  # groups aborted by the engines, not by this rollout
 
@@ -226,6 +232,28 @@ class _Rollout:
             )
 
     async def _run_group(self, group: list[Sample]) -> _Outcome:
+        """Generate, score and filter one group. When an engine dies under it, the whole group
+        is sent again from where it started, so its samples share one policy and one attempt."""
+        if not self.pool.fault_tolerant:
+            return await self._run_group_once(group)
+        start = copy.deepcopy(group)
+        for attempt in range(1, _MAX_GROUP_REISSUES + 1):
+            try:
+                return await self._run_group_once(group)
+            except EngineLostError as err:
+                group[:] = copy.deepcopy(start)
+                self.counts["reissued_groups"] += 1
+                logger.warning("group %s sent again (attempt %d): %s",
+                               group[0].group_index, attempt + 1, err)  # fmt: skip
+                if self.pool.router_url is not None:
+                    # The router may pick the dead engine again until a health check removes it.
+                    await asyncio.sleep(min(0.5 * attempt, 5.0))
+        raise EngineUnavailableError(
+            f"group {group[0].group_index} met a failing engine {_MAX_GROUP_REISSUES} times; "
+            "read the engine logs"
+        )
+
+    async def _run_group_once(self, group: list[Sample]) -> _Outcome:
         if self._batchable(group):
             return await self._finish_group(group, await self._generate_group(group))
         tasks = [asyncio.create_task(self._generate(sample)) for sample in group]

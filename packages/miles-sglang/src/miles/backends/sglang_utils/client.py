@@ -298,10 +298,12 @@ class EngineClient:
 
     # -- health and info --------------------------------------------------------------------
 
-    async def _probe(self, endpoint: str) -> tuple[bool, str]:
-        """One GET without retries: a probe reports the state now; callers poll."""
+    async def _probe(self, endpoint: str, timeout_s: float | None = None) -> tuple[bool, str]:
+        """One GET without retries: a probe reports the state now; callers poll. `timeout_s`
+        bounds the whole answer (default: the control calls' bound)."""
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
         try:
-            response = await self._http.get(endpoint)
+            response = await self._http.get(endpoint, timeout=timeout)
         except httpx.TransportError as exc:
             return False, f"{type(exc).__name__}: {exc}"
         if response.is_success:
@@ -311,6 +313,10 @@ class EngineClient:
     async def health(self) -> bool:
         """GET /health: the HTTP server answers (the model may still be loading)."""
         return (await self._probe("/health"))[0]
+
+    async def check_health(self, timeout_s: float) -> tuple[bool, str]:
+        """GET /health within `timeout_s`: (answered 2xx, what it answered or why not)."""
+        return await self._probe("/health", timeout_s)
 
     async def health_generate(self) -> bool:
         """GET /health_generate: the engine can generate a token."""
