@@ -73,6 +73,19 @@ class EngineConfig:
     """How long to wait for every engine to answer /health after launch."""
     engine_log_dir: str | None = None
     """Write each engine's output to a file here (default: the run's output directory)."""
+    use_fault_tolerance: bool | None = None
+    """Health-check the engines and restart a dead or hung one: its requests go to the others
+    (a group whole), and it rejoins with the current weights. None: on with more than one
+    engine."""
+    max_engine_restarts: int = 3
+    """Restarts allowed per engine before the run stops (with fault tolerance)."""
+    rollout_health_check_interval_s: float = 5.0
+    """Seconds between two health checks of an engine (with fault tolerance)."""
+    rollout_health_check_timeout_s: float = 30.0
+    """An engine whose /health does not answer within this many seconds counts as hung."""
+    rollout_request_timeout_s: float = 3600.0
+    """The longest wait for one /generate answer (or for an engine to serve again after a
+    failure); past it the rollout fails naming the engine."""
     sglang_server_args: list[str] | None = None
     """Further SGLang server flags as key=value (or key for a switch), passed through verbatim;
     on the command line also as `--sglang-<flag> [value]` (e.g. --sglang-context-length 8192).
@@ -89,6 +102,14 @@ class EngineConfig:
                 f"{self.engine_startup_timeout_s}; give the seconds to wait for the engines' "
                 "/health, e.g. 600"
             )
+        _at_least(self.max_engine_restarts, 0, "--max-engine-restarts")
+        for flag, seconds in (
+            ("--rollout-health-check-interval-s", self.rollout_health_check_interval_s),
+            ("--rollout-health-check-timeout-s", self.rollout_health_check_timeout_s),
+            ("--rollout-request-timeout-s", self.rollout_request_timeout_s),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
         for item in self.sglang_server_args or []:
             key = item.partition("=")[0]
             if not key or key.startswith("-"):
@@ -144,11 +165,19 @@ class TrainingConfig:
     or every reward at the lowest seen) for this many rollouts in a row."""
     abort_on_collapse: bool = False
     """Stop the run on collapse instead of warning."""
+    distributed_timeout_s: float = 1800.0
+    """The longest a train rank waits in a collective for its peers; past it the rank fails and
+    the run stops, naming the ranks that did not answer."""
 
     def __post_init__(self) -> None:
         _at_least(self.global_batch_size, 1, "--global-batch-size")
         _at_least(self.max_consecutive_nonfinite_steps, 1, "--max-consecutive-nonfinite-steps")
         _at_least(self.collapse_window, 1, "--collapse-window")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(
+                f"--distributed-timeout-s must be a positive number of seconds, got "
+                f"{self.distributed_timeout_s}"
+            )
         _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
         _at_least(self.num_rollout, 1, "--num-rollout")
         _at_least(self.num_epoch, 1, "--num-epoch")

@@ -275,6 +275,12 @@ def _check_across_groups(config: MilesConfig) -> None:
                 "--async-train trains on samples from the previous weights: set "
                 "--off-policy-correction (e.g. tis) to correct for it"
             )
+    if config.engine.use_fault_tolerance and cluster.colocate:
+        raise ValueError(
+            "--use-fault-tolerance restarts a lost engine at once, but with --colocate it "
+            "shares its devices with the trainer, which may hold them then; drop one of the two "
+            "flags (fault tolerance is on by default for several separate engines)"
+        )
     if config.data.n_samples_per_prompt != config.rollout.n_samples_per_prompt:
         raise AssertionError("n_samples_per_prompt is one option shared by data and rollout")
     if config.reward.rm_type in BUILTIN_RM_TYPES and config.data.label_key is None:

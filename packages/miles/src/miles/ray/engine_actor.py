@@ -46,7 +46,9 @@ class RolloutEngineActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop the engine's process tree (SIGKILL after `grace_s`, default the launcher's);
+        `start` may be called again afterwards."""
         if self._launcher is not None:
-            self._launcher.shutdown()
-            self._launcher = None
+            launcher, self._launcher = self._launcher, None
+            launcher.shutdown(**({} if grace_s is None else {"grace_s": grace_s}))

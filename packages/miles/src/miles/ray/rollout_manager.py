@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.training_utils.import_path import load_function
 from miles.config.schema import MilesConfig
@@ -31,6 +32,7 @@ from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
+from miles.rollout.engine_supervisor import EngineSupervisor, FaultToleranceConfig
 from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
@@ -88,6 +90,10 @@ def engine_launch_spec(
     }
 
 
+class EngineFailedError(RuntimeError):
+    """An engine failed a call of the rollout: the call's error and the end of its log."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prompts:
     """What `load_data` read: the training prompts, served in order, and the eval prompts."""
@@ -118,6 +124,10 @@ class RolloutManager:
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
         self.pool: EnginePool | None = None
+        self.supervisor: EngineSupervisor | None = None
+        self._engine_kind = ""
+        self._engine_specs: list[dict[str, Any]] = []
+        self._has_gpus = False
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
@@ -192,17 +202,34 @@ class RolloutManager:
         log_dir = Path(config.engine.engine_log_dir or Path(config.logging.output_dir) / "engines")
         log_dir.mkdir(parents=True, exist_ok=True)
         start, starts = time.perf_counter(), []
+        self._engine_kind, self._has_gpus = engine, has_gpus
         for i in range(num_engines):
             actor = self._engine_actor(i, has_gpus)
             devices = self.placement.engine_devices(i) if self.placement else None
             spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
             self.engine_actors.append(actor)
+            self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
         self.engine_urls = list(await asyncio.gather(*starts))
+        for spec, url in zip(self._engine_specs, self.engine_urls, strict=True):
+            spec["port"] = int(url.rsplit(":", 1)[1])  # a restart keeps the engine's URL
         self._start_balancing()
+        if self.fault_tolerant:
+            self._start_supervisor()
         self.startup_seconds["engines"] = time.perf_counter() - start
         return list(self.engine_urls)
+
+    def uses_fault_tolerance(self) -> bool:
+        return self.fault_tolerant
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """--use-fault-tolerance, or by default: more than one engine (not colocated)."""
+        choice = self.config.engine.use_fault_tolerance
+        if choice is not None:
+            return choice
+        return len(self.engine_urls) > 1 and not self.config.cluster.colocate
 
     def _engine_actor(self, index: int, has_gpus: bool) -> Any:
         colocate = self.config.cluster.colocate
@@ -227,7 +254,99 @@ class RolloutManager:
             self.router.start()
             router_url = self.router.url
             logger.info("sglang-router at %s fronts %d engines", router_url, len(self.engine_urls))
-        self.pool = EnginePool(self.engine_urls, router_url=router_url)
+        self.pool = EnginePool(
+            self.engine_urls,
+            router_url=router_url,
+            timeout_s=self.config.engine.rollout_request_timeout_s,
+            fault_tolerant=self.fault_tolerant,
+        )
+
+    # -- fault tolerance (architecture.md: "Fault tolerance") -----------------------------------
+
+    def _start_supervisor(self) -> None:
+        assert self.pool is not None
+        engine, training = self.config.engine, self.config.training
+        config = FaultToleranceConfig(
+            interval_s=engine.rollout_health_check_interval_s,
+            timeout_s=engine.rollout_health_check_timeout_s,
+            max_restarts=engine.max_engine_restarts,
+            needs_weights=not training.debug_rollout_only,
+        )
+        router = self.router
+        self.supervisor = EngineSupervisor(
+            self.pool, config, restart=self._restart_engine, log_tail=self.engine_log_tail,
+            on_remove=(lambda url: asyncio.to_thread(router.remove_worker, url)) if router else None,
+            on_return=(lambda url: asyncio.to_thread(router.add_worker, url)) if router else None,
+        )  # fmt: skip
+        self.supervisor.start()
+        logger.info("fault tolerance: /health every %.0f s (bound %.0f s), %d restart(s) per engine",
+                    config.interval_s, config.timeout_s, config.max_restarts)  # fmt: skip
+
+    async def _restart_engine(self, index: int) -> None:
+        """Stop what is left of engine `index` and start it again in its bundle, at its URL."""
+        actor = self.engine_actors[index]
+        try:
+            await asyncio.wait_for(actor.shutdown.remote(grace_s=2.0), 60)
+        except Exception as err:  # the actor is gone or stuck too: a new one in the same bundle
+            logger.warning(
+                "engine %d's actor did not stop its engine (%s); replacing it", index, err
+            )
+            ray.kill(actor)
+            actor = self._engine_actor(index, self._has_gpus)
+            self.engine_actors[index] = actor
+        await actor.start.remote(self._engine_kind, self._engine_specs[index])
+
+    def engine_log_tail(self, index: int, lines: int = 20) -> str:
+        """The last lines of engine `index`'s log file (its output across restarts)."""
+        path = Path(self._engine_specs[index]["log_path"])
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 32 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError as err:
+            return f"(no log at {path}: {err})"
+        return "\n".join(f"  {line}" for line in text.splitlines()[-lines:]) or "  (empty)"
+
+    def engines_awaiting_weights(self) -> list[str]:
+        """Restarted engines that serve again once the trainers pushed them the weights."""
+        return self.supervisor.awaiting_weights() if self.supervisor else []
+
+    async def recover_engines(self) -> list[str]:
+        """Before a weight update: check every engine now, wait until none is restarting
+        (bounded by --engine-startup-timeout-s); the engines then awaiting weights."""
+        if self.supervisor is None:
+            return []
+        await self.supervisor.check_now()
+        return await self.supervisor.wait_restarted(self.config.engine.engine_startup_timeout_s)
+
+    async def admit_engines(self, urls: list[str], weight_version: int | None) -> None:
+        """Put restarted engines back in service once each reports `weight_version` (the
+        trainers' version after pushing it to them; None: the checkpoint's weights)."""
+        assert self.supervisor is not None, "admit_engines() needs fault tolerance"
+        expected = None if weight_version is None else str(weight_version)
+        for url in urls:
+            async with EngineClient(url, max_retries=0) as client:
+                found = (await client.get_model_info()).get("weight_version")
+            if expected is not None and str(found) != expected:
+                raise RuntimeError(
+                    f"restarted engine {url} reports weight version {found!r} after the weight "
+                    f"push, not {expected!r}: it would generate with other weights than the rest"
+                )
+        await self.supervisor.admit(urls)
+
+    def fault_metrics(self) -> dict[str, float]:
+        return self.supervisor.metrics() if self.supervisor else {}
+
+    def _explain_engine_error(self, err: EngineError) -> RuntimeError:
+        """An engine's failure, with the end of its log (the engine's own words)."""
+        url = err.url.rstrip("/")
+        if url not in self.engine_urls:
+            return err
+        index = self.engine_urls.index(url)
+        return EngineFailedError(
+            f"engine {index} at {url} failed: {err}\nthe end of its log "
+            f"({self._engine_specs[index]['log_path']}):\n{self.engine_log_tail(index)}"
+        )
 
     async def engine_pids(self) -> list[int]:
         """Process ids of the engine servers (for monitoring, and tests that check shutdown)."""
@@ -248,7 +367,10 @@ class RolloutManager:
         start = time.perf_counter()
         self._reward_metrics = {}
         self._reward_failures = self._reward_scored = 0
-        groups, metrics = await self._rollout(rollout_id)
+        try:
+            groups, metrics = await self._rollout(rollout_id)
+        except EngineError as err:
+            raise self._explain_engine_error(err) from err
         unscored = [g for g in groups if any(s.reward is None for s in g)]
         if unscored:  # a custom rollout function may leave scoring to the hub
             await self._score(unscored)
@@ -258,6 +380,7 @@ class RolloutManager:
         shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
         metrics.update(rollout_metrics(groups))
         metrics.update(self._reward_metrics)
+        metrics.update(self.fault_metrics())
         metrics["rollout/time_s"] = time.perf_counter() - start
         return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
 
@@ -298,9 +421,13 @@ class RolloutManager:
             # A fresh source per evaluation: every prompt once, in file order.
             source = RolloutDataSource(dataset, data_config)
             eval_config = self._eval_rollout_config(len(dataset))
-            output = await generate_groups(
-                self.pool, source, self.reward_hub.score_groups, eval_config, rollout_id=rollout_id
-            )
+            try:
+                output = await generate_groups(
+                    self.pool, source, self.reward_hub.score_groups, eval_config,
+                    rollout_id=rollout_id,
+                )  # fmt: skip
+            except EngineError as err:
+                raise self._explain_engine_error(err) from err
             metrics.update(eval_metrics(output.groups, name))
         return metrics
 
@@ -362,6 +489,9 @@ class RolloutManager:
 
     async def dispose(self) -> None:
         """Stop the router and every engine; nothing started here outlives this call."""
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+            self.supervisor = None
         if self.pool is not None:
             await self.pool.aclose()
             self.pool = None

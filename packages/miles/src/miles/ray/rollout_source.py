@@ -7,6 +7,7 @@ never asks again: both sources start a rollout, wait for it, and hand back the s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,20 +48,23 @@ class RolloutSource(Protocol):
 class EngineRollouts:
     """Rollouts the rollout manager generates on the engines."""
 
-    def __init__(self, rollout_manager: Any) -> None:
+    def __init__(self, rollout_manager: Any, *, await_call: Callable[[Any], Any] = ray.get) -> None:
+        """`await_call(ref)` waits for a manager call's result (`Run` restores restarted
+        engines meanwhile)."""
         self.rollout_manager = rollout_manager
+        self.await_call = await_call
 
     def start(self, rollout_id: int) -> PendingRollout:
         call = self.rollout_manager.generate.remote(rollout_id)
         return PendingRollout(rollout_id, call, time.perf_counter())
 
     def wait(self, pending: PendingRollout) -> Rollout:
-        result = ray.get(pending.call)
+        result = self.await_call(pending.call)
         metrics = {**result["metrics"], "time/generate_s": time.perf_counter() - pending.started_at}
         return Rollout(pending.rollout_id, result["data"], metrics)
 
     def wait_done(self, pending: PendingRollout) -> None:
-        ray.wait([pending.call])
+        self.await_call(pending.call)
 
 
 class ReplayedRollouts:

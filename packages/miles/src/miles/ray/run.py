@@ -40,6 +40,10 @@ from miles.utils.tracking import Tracker
 logger = logging.getLogger(__name__)
 
 
+# While waiting for the rollout manager, ask it this often for restarted engines to restore.
+_RESTORE_POLL_S = 1.0
+
+
 class WeightSyncMismatchError(RuntimeError):
     """Trainer and engine disagree on log-probs after a weight update (the step-0 check)."""
 
@@ -57,6 +61,7 @@ class Run:
         self.console: ConsoleView | None = None
         self.start_rollout_id = 0
         self.num_rollout = 0
+        self.fault_tolerant = False  # the rollout manager restarts lost engines
         # The step-0 check compares with the engine's log-probs: a loss on given data (SFT) has
         # none to compare with, and a run without engines (replayed rollouts) nothing to check.
         self._weight_sync_to_check = (
@@ -139,7 +144,8 @@ class Run:
         if engines is not None:
             if not self.engine_urls:  # colocated runs waited for them before the trainers built
                 self.engine_urls = ray.get(engines)
-            self.rollouts = EngineRollouts(manager)
+            self.fault_tolerant = ray.get(manager.uses_fault_tolerance.remote())
+            self.rollouts = EngineRollouts(manager, await_call=self._await_manager)
             if self.trainers is not None:
                 self.trainers.connect_engines(self.engine_urls)
         else:
@@ -192,6 +198,28 @@ class Run:
         )
         init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
         return ray.cluster_resources().get("GPU", 0) > 0
+
+    # -- engine recovery (architecture.md: "Fault tolerance") -----------------------------------
+
+    def _await_manager(self, call: Any) -> Any:
+        """The result of a rollout-manager call. With fault tolerance, engines restarted while
+        it runs get the current weights meanwhile (a rollout may need them to finish)."""
+        if not self.fault_tolerant:
+            return ray.get(call)
+        while not ray.wait([call], timeout=_RESTORE_POLL_S)[0]:
+            self._restore_engines(ray.get(self.rollout_manager.engines_awaiting_weights.remote()))
+        return ray.get(call)
+
+    def _restore_engines(self, urls: list[str], *, push_to: list[str] | None = None) -> None:
+        """Push the current weights to `push_to` (default: `urls`), then admit the restarted
+        engines `urls` back into service."""
+        if not urls:
+            return
+        version = None
+        if self.trainers is not None:
+            version = self.trainers.restore_engines(push_to or urls)
+        ray.get(self.rollout_manager.admit_engines.remote(urls, version))
+        logger.info("engines %s restored at weight version %s", urls, version)
 
     def close(self) -> None:
         """Stop every process of the run; safe to call after a failed start."""
@@ -318,7 +346,22 @@ class Run:
             return {}
         self._phase("update weights")
         start = time.perf_counter()
-        self.trainers.update_weights()
+        if not self.fault_tolerant:
+            self.trainers.update_weights()
+            return {"time/update_weights_s": time.perf_counter() - start}
+        # Engines lost since the last rollout are back (or the run stops) before the push.
+        self._restore_engines(ray.get(self.rollout_manager.recover_engines.remote()))
+        try:
+            self.trainers.update_weights()
+        except Exception as err:
+            lost = ray.get(self.rollout_manager.recover_engines.remote())
+            if not lost:
+                raise  # every engine answers: not an engine's failure
+            # The failed push may have reached some engines in part: every engine gets the
+            # new version again, whole, and the restarted ones return to service.
+            logger.warning("weight update failed with engines %s lost (%s); pushing again",
+                           lost, err)  # fmt: skip
+            self._restore_engines(lost, push_to=list(self.engine_urls))
         return {"time/update_weights_s": time.perf_counter() - start}
 
     def evaluate_before_training(self) -> None:
@@ -343,7 +386,7 @@ class Run:
 
     def _evaluate(self, rollout_id: int) -> dict[str, float]:
         self._phase("eval", rollout_id)
-        metrics = ray.get(self.rollout_manager.eval.remote(rollout_id))
+        metrics = self._await_manager(self.rollout_manager.eval.remote(rollout_id))
         rewards = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if rewards:
             metrics["eval/reward_mean"] = sum(rewards) / len(rewards)

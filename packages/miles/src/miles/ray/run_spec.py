@@ -33,6 +33,8 @@ class TrainRunSpec:
     """Checkpoint directory (--save)."""
     load: str | None = None
     """Directory to resume from (--load)."""
+    distributed_timeout_s: float = 1800.0
+    """Bound on every collective's wait (--distributed-timeout-s)."""
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -52,4 +54,5 @@ class TrainRunSpec:
             colocate=config.cluster.colocate,
             save=config.checkpoint.save,
             load=config.checkpoint.load,
+            distributed_timeout_s=training.distributed_timeout_s,
         )

@@ -152,7 +152,7 @@ class TrainRayActor(abc.ABC):
         self.check_supported(backend)
         # The device first: NCCL binds a communicator to the device current at its creation.
         device = set_device(self.local_rank)
-        self.setup_distributed()
+        self.setup_distributed(spec.distributed_timeout_s)
         torch.manual_seed(backend.seed)
         self.spec, self.backend = spec, backend
         self.engine = self.build_engine(
@@ -231,19 +231,49 @@ class TrainRayActor(abc.ABC):
                 "update_weights() has no engine to update: connect_engines() was not called "
                 "with any URL (replayed rollouts, or engines that did not start)"
             )
-        engine = self._engine
         if self._updater is None:
-            self._updater = make_weight_updater(
-                engine.named_weights, engine_urls=list(self.engine_urls), rank=self.rank,
-                world_size=self.world_size, colocate=self.spec.colocate,
-                buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
-                master_address=self.master_addr, group_name=f"miles-{self.backend_name}-weights",
-            )  # fmt: skip
+            self._updater = self._make_updater()
         self.weight_version += 1
+        self._push(self._updater)
+
+    def restore_engines(self, engine_urls: list[str]) -> int:
+        """Push the current weights, as the current version, to restarted engines (all ranks
+        call this); returns that version. The other engines keep generating undisturbed, and
+        the next `update_weights` forms a new weight-update group with every engine (the old
+        one still counts the engines' former processes)."""
+        unknown = sorted(set(engine_urls) - set(self.engine_urls))
+        if unknown:
+            raise ValueError(f"restore_engines(): {unknown} are not among {self.engine_urls}")
+        if self._updater is not None:
+            try:
+                self._updater.shutdown()
+            except Exception:  # the group still names the dead engine: it may not answer
+                logger.warning("rank %d: leaving the old weight-update group", self.rank,
+                               exc_info=True)  # fmt: skip
+            self._updater = None
+        updater = self._make_updater(only=engine_urls, group_suffix="-restore")
+        try:
+            self._push(updater)
+        finally:
+            updater.shutdown()
+        return self.weight_version
+
+    def _make_updater(self, only: list[str] | None = None, group_suffix: str = "") -> WeightUpdater:
+        engine = self._engine
+        return make_weight_updater(
+            engine.named_weights, engine_urls=list(self.engine_urls), rank=self.rank,
+            world_size=self.world_size, colocate=self.spec.colocate,
+            buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
+            master_address=self.master_addr,
+            group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
+            timeout_s=self.spec.distributed_timeout_s,
+        )  # fmt: skip
+
+    def _push(self, updater: WeightUpdater) -> None:
         # Colocated, the loop pushes weights while the trainer sleeps (the engines hold the
         # device then); the engine keeps them readable for the push.
-        with engine.weights_on_device():
-            self._updater.update(str(self.weight_version))
+        with self._engine.weights_on_device():
+            updater.update(str(self.weight_version))
 
     def sleep(self) -> None:
         """Free device memory for colocated engines; a no-op while asleep."""

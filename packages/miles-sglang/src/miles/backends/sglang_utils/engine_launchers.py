@@ -122,10 +122,10 @@ class ReferenceEngineLauncher:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def shutdown(self) -> None:
-        """Stop the engine's process tree; idempotent."""
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the engine's process tree (SIGKILL after `grace_s`); idempotent."""
         if self._process is not None:
-            self._process.shutdown()
+            self._process.shutdown(grace_s)
             self._process = None
 
 
@@ -165,5 +165,5 @@ class SGLangEngineLauncher:
         self.engine.start()
         return self.url
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        self.engine.shutdown(grace_s)

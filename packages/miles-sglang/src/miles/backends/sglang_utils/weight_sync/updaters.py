@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,20 +56,29 @@ def make_weight_updater(
     dtype: torch.dtype,
     master_address: str,
     group_name: str = "miles-weights",
+    only: Collection[str] | None = None,
+    timeout_s: float = 300.0,
 ) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
     """The updater of one train rank: clients for the engines it feeds (`engine_urls_for_rank`),
     then the colocated transport, or a broadcast group from rank 0 on a free port of
-    `master_address` over the process group's backend."""
+    `master_address` over the process group's backend, whose waits `timeout_s` bounds. `only`:
+    feed just these of the engines (restarted ones), each from the rank that feeds it in the full
+    set."""
     from miles.backends.sglang_utils.client import SyncEngineClient
 
     urls = engine_urls_for_rank(engine_urls, rank=rank, world_size=world_size, colocate=colocate)
+    if only is not None:
+        urls = [url for url in urls if url in only]
     clients = [SyncEngineClient(url) for url in urls]
     if colocate:
-        return UpdateWeightFromTensor(named_tensors, clients, buffer_size=buffer_size, dtype=dtype)
+        return UpdateWeightFromTensor(
+            named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
+            require_clients=only is None,
+        )  # fmt: skip
     return UpdateWeightFromDistributed(
         named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
         master_address=master_address, master_port=0, backend=dist_backend(),
-        group_name=group_name,
+        group_name=group_name, require_clients=only is None, timeout_s=timeout_s,
     )  # fmt: skip
 
 
@@ -87,7 +96,9 @@ class WeightUpdater:
         *,
         buffer_size: int,
         dtype: torch.dtype,
+        require_clients: bool = True,
     ) -> None:
+        """`require_clients`: rank 0 must feed an engine (not so for a restarted subset)."""
         if buffer_size < 1:
             raise ValueError(
                 f"--update-weight-buffer-size ({buffer_size}) must be at least 1 byte; use e.g. "
@@ -98,7 +109,7 @@ class WeightUpdater:
         self.buffer_size = buffer_size
         self.dtype = dtype
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.rank == 0 and not self.clients:
+        if require_clients and self.rank == 0 and not self.clients:
             raise ValueError(
                 "no rollout engine to update: rank 0 got no engine clients; pass the engines' "
                 "URLs (--engine-urls) or do not call update_weights"
@@ -178,8 +189,12 @@ class UpdateWeightFromTensor(WeightUpdater):
         *,
         buffer_size: int,
         dtype: torch.dtype,
+        require_clients: bool = True,
     ) -> None:
-        super().__init__(named_tensors, clients, buffer_size=buffer_size, dtype=dtype)
+        super().__init__(
+            named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
+            require_clients=require_clients,
+        )  # fmt: skip
         self._sender = (
             TensorWeightSender(self.clients, max_bytes=buffer_size, dtype=dtype)
             if self.clients
@@ -209,10 +224,16 @@ class UpdateWeightFromDistributed(WeightUpdater):
         master_port: int,
         backend: str,
         group_name: str = "miles-weights",
+        require_clients: bool = True,
+        timeout_s: float = 300.0,
     ) -> None:
-        super().__init__(named_tensors, clients, buffer_size=buffer_size, dtype=dtype)
+        super().__init__(
+            named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
+            require_clients=require_clients,
+        )  # fmt: skip
         self._group = {"master_address": master_address, "master_port": master_port,
-                       "group_name": group_name, "backend": backend}  # fmt: skip
+                       "group_name": group_name, "backend": backend,
+                       "timeout_s": timeout_s}  # fmt: skip
         self._sender: DistributedWeightSender | None = None  # connected, on rank 0
 
     def _send(self, tensors: Iterator, weight_version: str) -> None:

@@ -1,0 +1,180 @@
+"""Engine fault tolerance below the run: the supervisor finds a hung engine within its bound,
+restarts it and admits it once it has the weights, and gives up past --max-engine-restarts naming
+the engine and its log; without fault tolerance a hung engine fails its request within the
+request bound. (The pool's and the rollout's part: test_engine_pool, test_generate_rollout.)
+
+The live engine is a real reference engine (the shared fixture); a hung engine is a real socket
+that accepts connections and never answers, and a restarted one a real HTTP server on its port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from miles.backends.sglang_utils.client import EngineError
+from miles.rollout.engine_pool import EngineLostError, EnginePool, EngineUnavailableError
+from miles.rollout.engine_supervisor import (
+    EngineState,
+    EngineSupervisor,
+    FaultToleranceConfig,
+)
+
+
+def long_request(max_new_tokens: int) -> dict:
+    return {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": max_new_tokens,
+            "ignore_eos": True}, "return_logprob": True}  # fmt: skip
+
+
+class HungEngine:
+    """A listening socket that accepts connections and never answers: a frozen server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self._accepted.append(connection)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread, frees the port
+        except OSError:
+            pass  # closed already
+        self.sock.close()
+        for connection in self._accepted:
+            connection.close()
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps({"weight_version": "7"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def serve_healthy(port: int) -> ThreadingHTTPServer:
+    """An HTTP server answering 200 on `port` (the engine, restarted at its URL)."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def hung() -> Iterator[HungEngine]:
+    engine = HungEngine()
+    yield engine
+    engine.close()
+
+
+def test_without_fault_tolerance_a_hung_engine_fails_its_request_within_the_bound(hung):
+    async def run():
+        async with EnginePool([hung.url], timeout_s=1.5) as pool:
+            started = time.monotonic()
+            with pytest.raises(EngineError, match=f"/generate at {hung.url} failed .*timed out"):
+                await pool.generate(long_request(4))
+            return time.monotonic() - started
+
+    assert 1.4 < asyncio.run(run()) < 5.0
+
+
+def _supervisor(pool, restart, *, max_restarts=2, needs_weights=True):
+    config = FaultToleranceConfig(
+        interval_s=0.2, timeout_s=0.5, max_restarts=max_restarts, needs_weights=needs_weights
+    )
+    return EngineSupervisor(
+        pool, config, restart=restart, log_tail=lambda index: f"  the last words of engine {index}"
+    )
+
+
+def test_the_supervisor_restarts_a_hung_engine_and_admits_it_with_the_weights(engine_url, hung):
+    restarted: list[int] = []
+    servers: list[ThreadingHTTPServer] = []
+
+    async def restart(index: int) -> None:
+        hung.close()  # what is left of the frozen engine
+        servers.append(serve_healthy(hung.port))
+        restarted.append(index)
+
+    async def run():
+        async with EnginePool([engine_url, hung.url], fault_tolerant=True) as pool:
+            supervisor = _supervisor(pool, restart)
+            supervisor.start()
+            started = time.monotonic()
+            while not supervisor.awaiting_weights():
+                assert time.monotonic() - started < 10, supervisor.states
+                await asyncio.sleep(0.05)
+            detected_s = time.monotonic() - started
+            awaiting = await supervisor.wait_restarted(timeout_s=10)
+            serving_before = pool.serving()
+            answer = await pool.generate(long_request(3))  # only the live engine serves
+            await supervisor.admit(awaiting)
+            metrics = supervisor.metrics()
+            await supervisor.stop()
+            return detected_s, awaiting, serving_before, answer, pool.serving(), metrics
+
+    try:
+        detected_s, awaiting, serving_before, answer, serving, metrics = asyncio.run(run())
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert restarted == [1]
+    assert detected_s < 0.2 + 0.5 + 1.0  # one interval and one timeout, and scheduling slack
+    assert awaiting == [hung.url] and serving_before == [engine_url]
+    assert len(answer["output_ids"]) == 3
+    assert serving == [engine_url, hung.url]
+    assert metrics["engine/restarts"] == 1 and metrics["engine/seconds_lost"] > 0
+
+
+def test_an_engine_that_keeps_failing_stops_the_rollout_naming_it_and_its_log(hung):
+    attempts: list[int] = []
+
+    async def restart(index: int) -> None:
+        attempts.append(index)
+        raise RuntimeError("the engine exited with code 1 while loading")
+
+    async def run():
+        async with EnginePool([hung.url], fault_tolerant=True, timeout_s=30) as pool:
+            supervisor = _supervisor(pool, restart, max_restarts=2)
+            supervisor.start()
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailableError) as caught:
+                while True:  # as a rollout does: a lost request is sent again
+                    try:
+                        await pool.generate(long_request(3))
+                    except EngineLostError:
+                        continue
+            await supervisor.stop()
+            return str(caught.value), time.monotonic() - started, supervisor.states
+
+    message, elapsed_s, states = asyncio.run(run())
+    assert attempts == [0, 0]
+    assert message.startswith(
+        f"engine 0 at {hung.url} failed again after 2 restart(s) "
+        "(--max-engine-restarts 2): restart failed: the engine exited"
+    )
+    assert message.endswith("the last words of engine 0")
+    assert states == {hung.url: EngineState.FAILED}
+    assert elapsed_s < 5.0

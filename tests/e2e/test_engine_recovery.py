@@ -1,0 +1,117 @@
+"""A run that survives its engines: two reference engines, one SIGKILLed and the other frozen
+(SIGSTOP) mid-run; fault tolerance (on by default with two engines) restarts each, pushes it the
+current weights and puts it back, and the run ends with every rollout logged and both restarts
+counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+from miles.config import load_config
+from miles.train import train
+from miles.utils.tracking import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ENGINE_MODULE = "miles.backends.sglang_utils.reference_engine.cli"
+
+
+def engine_pids(checkpoint: Path) -> dict[int, int]:
+    """port -> pid of the reference engines serving `checkpoint` (this test's own directory)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if ENGINE_MODULE in args and str(checkpoint) in args:
+            found[int(args[args.index("--port") + 1])] = int(entry)
+    return found
+
+
+def records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class EngineSaboteur(threading.Thread):
+    """Kills one engine after the first rollout is logged, then freezes the other once the
+    first one's restart shows in the records."""
+
+    def __init__(self, checkpoint: Path, metrics: Path):
+        super().__init__(daemon=True)
+        self.checkpoint, self.metrics = checkpoint, metrics
+        self.done: list[str] = []
+        self.frozen_pid: int | None = None
+        self.stop = threading.Event()
+
+    def _wait_for(self, condition) -> bool:
+        while not self.stop.is_set():
+            if condition(records(self.metrics)):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def run(self) -> None:
+        if not self._wait_for(lambda logged: len(logged) >= 1):
+            return
+        pids = engine_pids(self.checkpoint)
+        killed_port = min(pids)
+        os.kill(pids[killed_port], signal.SIGKILL)
+        self.done.append(f"killed {killed_port}")
+        if not self._wait_for(lambda logged: logged and logged[-1].get("engine/restarts") == 1):
+            return
+        other = next(
+            pid for port, pid in engine_pids(self.checkpoint).items() if port != killed_port
+        )
+        self.frozen_pid = other
+        os.kill(other, signal.SIGSTOP)
+        self.done.append("froze the other")
+
+
+def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt", seed=0)
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {"input": f"max({a},{b})=", "label": str(max(a, b))} for a in range(4) for b in range(4)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    config = load_config([
+        "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "16", "--rm-type", "exact_match",
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
+        "--rollout-router", "builtin", "--num-rollout", "4",
+        "--rollout-health-check-interval-s", "1", "--rollout-health-check-timeout-s", "2",
+        "--output-dir", str(out), "--console", "plain", "--lr", "1e-3",
+    ])  # fmt: skip
+    saboteur = EngineSaboteur(checkpoint, out / "metrics.jsonl")
+    saboteur.start()
+    try:
+        train(config)
+    finally:
+        saboteur.stop.set()
+        saboteur.join(timeout=10)
+        if saboteur.frozen_pid is not None and engine_pids(checkpoint):
+            os.kill(saboteur.frozen_pid, signal.SIGKILL)  # ours; the run should have ended it
+        if ray.is_initialized():
+            ray.shutdown()
+    logged = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in logged] == [0, 1, 2, 3]
+    assert len(saboteur.done) == 2, saboteur.done
+    assert logged[-1]["engine/restarts"] == 2
+    assert logged[-1]["engine/seconds_lost"] > 0
+    assert not engine_pids(checkpoint)  # the run stopped every engine it (re)started
