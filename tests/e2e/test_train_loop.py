@@ -9,7 +9,10 @@ resumed from its last complete checkpoint, matching the uninterrupted one. The d
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ import ray
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
+from miles.ray.run import Run
+from miles.ray.train_group import TrainRankError
 from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE
 from miles.utils.divergence import DivergenceError
@@ -40,8 +45,13 @@ def assets(tmp_path_factory):
 
 
 def run(assets, out: Path, *flags: str) -> list[dict]:
+    train(tiny_config(assets, out, *flags))
+    return read_metrics(out / "metrics.jsonl")
+
+
+def tiny_config(assets, out: Path, *flags: str):
     checkpoint, data = assets
-    config = load_config([
+    return load_config([
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "3", "--rm-type", "exact_match",
@@ -49,8 +59,6 @@ def run(assets, out: Path, *flags: str) -> list[dict]:
         "--lr", "1e-3", "--rollout-router", "builtin",
         *flags,
     ])  # fmt: skip
-    train(config)
-    return read_metrics(out / "metrics.jsonl")
 
 
 # Saving every rollout and one request at a time: the resume test replays this run from its
@@ -150,3 +158,36 @@ def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(
         assert ours["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5, abs=1e-7)
         assert ours["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-5)
         assert "check/logprob_abs_diff" not in ours and "time/update_weights_s" not in ours
+
+
+def test_a_hung_and_then_a_dead_train_rank_stop_the_step_naming_the_rank(
+    assets, tmp_path, disaggregated
+):
+    # Rank 1 frozen (SIGSTOP): rank 0 waits in a collective until --distributed-timeout-s, and
+    # the error names rank 1 as the one that never answered. Rank 1 killed: the next step stops
+    # naming it as dead. The saved rollouts are replayed: no engine to start.
+    _, pattern, _ = disaggregated
+    timeout_s = 8
+    config = tiny_config(
+        assets, tmp_path, "--num-rollout", "1", "--rollout-num-gpus", "1",
+        "--debug-train-only", "--load-debug-rollout-data", pattern,
+        "--distributed-timeout-s", str(timeout_s),
+    )  # fmt: skip
+    with Run(config) as started:
+        rollout = started.generate(0)
+        pids = [
+            ray.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in started.trainers.actors
+        ]
+        os.kill(pids[1], signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(TrainRankError) as hung:
+            started.train(rollout)
+        hung_s = time.monotonic() - began
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(TrainRankError) as dead:
+            started.train(rollout)
+    assert str(hung.value).startswith("train rank 0 of 2 (pid ")
+    assert f"no answer from rank 1 (pid {pids[1]} on node " in str(hung.value)
+    assert timeout_s <= hung_s < timeout_s + 20
+    assert str(dead.value).startswith(f"train rank 1 of 2 (pid {pids[1]} on node ")
+    assert ") died in train (rollout 0): " in str(dead.value)

@@ -1,7 +1,10 @@
 """RayTrainGroup on a real local Ray: every rank trains on its data-parallel replica's shard, so
-ranks that split one model replica see the same samples."""
+ranks that split one model replica see the same samples; a failing or dead rank is named with
+its process, and the failure report unwraps Ray's errors."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import ray
@@ -9,7 +12,8 @@ import ray
 from miles.ray import TrainRayActor
 from miles.ray.cluster import init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
-from miles.ray.train_group import RayTrainGroup
+from miles.ray.train_group import RayTrainGroup, TrainRankError
+from miles.utils.failures import describe, write_failure_log
 
 
 class _PairedReplicaActor(TrainRayActor):
@@ -43,7 +47,7 @@ def group():
     )  # fmt: skip
     placement = create_placement(plan, timeout_s=60)
     train_group = RayTrainGroup(
-        _PairedReplicaActor, placement, world_size=4, colocate=False, has_gpus=False,
+        _FailingActor, placement, world_size=4, colocate=False, has_gpus=False,
         cpus_per_bundle=0.5,
     )  # fmt: skip
     try:
@@ -67,3 +71,71 @@ def test_ranks_of_one_replica_train_on_the_same_shard(group):
 def test_one_shard_per_rank_is_refused_when_ranks_share_replicas(group):
     with pytest.raises(ValueError, match="got 4 data shards for 2 data-parallel replicas"):
         group.async_train(0, [ray.put(i) for i in range(4)])
+
+
+class _FailingActor(_PairedReplicaActor):
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} was told to fail")
+        return self.rank
+
+    def die_on(self, rank: int) -> int:
+        if self.rank == rank:
+            os._exit(3)  # the process ends, as after SIGKILL or an out-of-memory kill
+        return self.rank
+
+
+def test_a_failing_rank_is_named_with_its_process_and_its_own_error(group):
+    with pytest.raises(TrainRankError) as caught:
+        group.call("fail_on", 2)
+    message = str(caught.value)
+    assert message.startswith("train rank 2 of 4 (pid ")
+    assert (
+        "on node " in message
+        and "failed in fail_on: ValueError: rank 2 was told to fail" in message
+    )
+    assert "Traceback" not in message
+    assert describe(caught.value).splitlines()[0] == f"TrainRankError: {message.splitlines()[0]}"
+
+
+def test_a_rank_whose_process_dies_is_named_as_dead(tmp_path):
+    started = not ray.is_initialized()
+    init_ray(num_cpus=4, log_to_driver=False)
+    plan = plan_placement(
+        actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=None,
+        rollout_num_gpus_per_engine=1, colocate=True, use_gpus=False, cpus_per_bundle=0.5,
+    )  # fmt: skip
+    placement = create_placement(plan, timeout_s=60)
+    train_group = RayTrainGroup(
+        _FailingActor, placement, world_size=2, colocate=False, has_gpus=False,
+        cpus_per_bundle=0.5,
+    )  # fmt: skip
+    try:
+        train_group.init(None, None, None)
+        pid = train_group.places[1].split()[1]
+        with pytest.raises(
+            TrainRankError, match=rf"^train rank 1 of 2 \(pid {pid} on node .*\) died in die_on"
+        ):
+            train_group.call("die_on", 1)
+        log = write_failure_log(tmp_path, RuntimeError("first"))
+        write_failure_log(tmp_path, RuntimeError("second"))
+        entries = [line for line in log.read_text().splitlines() if line.startswith("=== ")]
+        assert [e.split(": ", 1)[1] for e in entries] == [
+            "RuntimeError: first",
+            "RuntimeError: second",
+        ]
+    finally:
+        train_group.shutdown()
+        remove_placement(placement)
+        if started:
+            ray.shutdown()
+
+
+def test_describe_unwraps_a_ray_task_error_to_the_exception_raised_remotely(group):
+    @ray.remote(num_cpus=0)
+    def fails() -> None:
+        raise KeyError("missing-key")
+
+    with pytest.raises(ray.exceptions.RayTaskError) as caught:
+        ray.get(fails.remote())
+    assert describe(caught.value) == "KeyError: 'missing-key'"

@@ -35,6 +35,12 @@ def run_train(argv: list[str]) -> int:
     except DivergenceError as err:  # every rollout so far is logged; the cause is the story
         print(f"miles train: stopped: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # the cause first; Ray's tracebacks go to a file
+        from miles.utils.failures import describe, write_failure_log
+
+        log = write_failure_log(config.logging.output_dir, err)
+        print(f"miles train: failed: {describe(err)}\n(full traceback: {log})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,6 +12,7 @@ torch and the model code, seconds of imports before the first rollout).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -25,6 +26,14 @@ from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE
 from miles.ray.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
+
+# After one rank's call fails, how long the others get to fail too: a rank that died makes its
+# peers fail in their next collective, and the dead one is the cause to report.
+_FAILURE_GRACE_S = 5.0
+
+
+class TrainRankError(RuntimeError):
+    """A train rank's call failed or its process died: which rank, where, and why."""
 
 
 @ray.remote(num_cpus=0)
@@ -58,6 +67,10 @@ class TrainRank:
     def get_startup_seconds(self) -> dict[str, float]:
         return dict(self.startup_seconds)
 
+    def where(self) -> str:
+        """ "pid P on node A": where this rank runs (for messages about it)."""
+        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.actor, method)(*args, **kwargs)
 
@@ -90,6 +103,7 @@ class RayTrainGroup:
             for rank in range(world_size)
         ]
         self.world_size = world_size
+        self.places = [f"rank {rank}" for rank in range(world_size)]  # `where`, after init
         # Which rollout shard each rank trains on; known from the backend after `init`.
         self.dp_ranks = list(range(world_size))
         name = actor_class if isinstance(actor_class, str) else actor_class.__name__
@@ -103,6 +117,49 @@ class RayTrainGroup:
 
     def _all(self, method: str, *args: Any) -> list[ray.ObjectRef]:
         return [actor.call.remote(method, *args) for actor in self.actors]
+
+    def _gather(self, calls: list[ray.ObjectRef], what: str) -> list[Any]:
+        """The results of one call per rank, in rank order. The first failure stops the wait:
+        it is raised as a TrainRankError naming the rank, preferring a rank whose process died
+        (its peers only fail after it), and the ranks that never answered."""
+        pending = {call: rank for rank, call in enumerate(calls)}
+        results: dict[int, Any] = {}
+        failures: dict[int, BaseException] = {}
+        deadline = None
+        while pending and (deadline is None or time.monotonic() < deadline):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            for call in ready:
+                rank = pending.pop(call)
+                try:
+                    results[rank] = ray.get(call)
+                except Exception as err:
+                    failures[rank] = err
+                    deadline = deadline or time.monotonic() + _FAILURE_GRACE_S
+        if not failures:
+            return [results[rank] for rank in range(len(calls))]
+        died = [
+            rank for rank, err in failures.items() if isinstance(err, ray.exceptions.RayActorError)
+        ]
+        rank = min(died or failures)
+        raise self._rank_error(rank, what, failures[rank], silent=sorted(pending.values()))
+
+    def _rank_error(
+        self, rank: int, what: str, err: BaseException, *, silent: list[int]
+    ) -> TrainRankError:
+        if isinstance(err, ray.exceptions.RayActorError):
+            how, cause = "died", str(err).strip().splitlines()[0]
+        else:
+            how = "failed"
+            original = getattr(err, "cause", None)  # a RayTaskError keeps the rank's exception
+            original = original if isinstance(original, BaseException) else err
+            cause = f"{type(original).__name__}: {original}"
+        text = (
+            f"train rank {rank} of {self.world_size} ({self.places[rank]}) {how} in {what}: {cause}"
+        )
+        if silent:
+            text += "; no answer from " + ", ".join(f"rank {r} ({self.places[r]})" for r in silent)
+        return TrainRankError(text)
 
     def init(
         self,
@@ -118,13 +175,14 @@ class RayTrainGroup:
             actor.init.remote(spec, loss, backend, role=role, with_ref=with_ref)
             for actor in self.actors
         ]
-        starts = ray.get(calls)
+        self.places = self._gather([actor.where.remote() for actor in self.actors], "start-up")
+        starts = self._gather(calls, "init")
         if len(set(starts)) != 1:
             raise RuntimeError(
                 f"train ranks disagree on the rollout to resume from: {starts}; the checkpoint "
                 "in --load is inconsistent across ranks"
             )
-        dp_ranks = ray.get(self._all("data_parallel_rank"))
+        dp_ranks = self._gather(self._all("data_parallel_rank"), "data_parallel_rank")
         if sorted(set(dp_ranks)) != list(range(len(set(dp_ranks)))):
             raise RuntimeError(
                 f"the train ranks report data-parallel ranks {dp_ranks}; they must number the "
@@ -160,17 +218,17 @@ class RayTrainGroup:
         ]
 
     def train(self, rollout_id: int, data: list[ray.ObjectRef]) -> Any:
-        return ray.get(self.async_train(rollout_id, data))[0]
+        return self._gather(self.async_train(rollout_id, data), f"train (rollout {rollout_id})")[0]
 
     def logprob_gap(self, data: list[ray.ObjectRef]) -> float:
         """Mean |trainer - engine| log-prob over the response tokens of `data` (no training)."""
         shards = self._shards(data)
         calls = [a.call.remote("logprob_gap", d) for a, d in zip(self.actors, shards, strict=True)]
-        return ray.get(calls)[0]
+        return self._gather(calls, "logprob_gap")[0]
 
     def call(self, method: str, *args: Any) -> Any:
         """Run `method(*args)` on every rank; rank 0's result."""
-        return ray.get(self._all(method, *args))[0]
+        return self._gather(self._all(method, *args), method)[0]
 
     def save_model(self, rollout_id: int) -> None:
         self.call("save_model", rollout_id)
@@ -181,6 +239,10 @@ class RayTrainGroup:
 
     def update_weights(self) -> None:
         self.call("update_weights")
+
+    def restore_engines(self, engine_urls: list[str]) -> int:
+        """Push the current weights to restarted engines; the weight version they now hold."""
+        return self.call("restore_engines", engine_urls)
 
     def sleep(self) -> None:
         self.call("sleep")
