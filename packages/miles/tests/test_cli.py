@@ -56,3 +56,29 @@ def test_train_with_a_misspelled_flag_exits_2_with_a_suggestion(capsys):
     )
     assert status == 2
     assert "did you mean '--rollout-batch-size'" in capsys.readouterr().err
+
+
+def test_a_failed_run_prints_its_cause_first_and_keeps_the_traceback(
+    capsys, monkeypatch, tmp_path, tiny_checkpoint
+):
+    import miles.train
+    from miles.ray.train_group import TrainRankError
+
+    cause = "train rank 1 of 2 (pid 4242 on node 10.0.0.7) died in train (rollout 3): gone"
+
+    def failing_run(config):  # stands in for a run whose rank died: the report is under test
+        raise TrainRankError(cause)
+
+    monkeypatch.setattr(miles.train, "train", failing_run)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    out = tmp_path / "out"
+    argv = ["train", "--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", str(data),
+            "--rollout-batch-size", "1", "--output-dir", str(out)]  # fmt: skip
+    assert main(argv) == 1
+    assert main(argv) == 1  # a second failure is appended, not written over the first
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"miles train: failed: TrainRankError: {cause}"
+    assert err[1] == f"(full traceback: {out / 'failure.log'})"
+    log = (out / "failure.log").read_text()
+    assert log.count("=== ") == 2 and log.count("Traceback (most recent call last)") == 2
