@@ -21,10 +21,10 @@ def _post(url, path, **kwargs):
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (b"{not json", "malformed JSON body"),
+        (b"{not json", "the body is not valid JSON"),
         (
             b'{"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}',
-            "sampling_params.top_p=1.5 is out of range",
+            "sampling_params.top_p: Input should be less than or equal to 1 (got 1.5)",
         ),
         (b'{"input_ids": [1, 2], "text": "x"}', "give exactly one of 'text' or 'input_ids'"),
         (b'{"input_ids": [1, 99999]}', "token id 99999 >= vocab size"),

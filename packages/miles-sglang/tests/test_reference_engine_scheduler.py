@@ -1,5 +1,6 @@
 """The reference engine's scheduler when a step fails: every request still gets an answer (an
-abort naming the error), newly admitted ones too, and the loop keeps serving afterwards."""
+abort naming the error), newly admitted ones too, the loop keeps serving afterwards, and a request
+that breaks a batched prefill or sampling fails alone while its neighbours complete."""
 
 from __future__ import annotations
 
@@ -43,3 +44,45 @@ def test_a_failing_prefill_answers_the_admitted_requests_and_the_loop_serves_on(
         assert done[good.rid]["type"] == "length" and len(good.output_ids) == 3
     finally:
         scheduler.shutdown()
+
+
+def test_requests_that_break_a_batched_step_fail_alone_and_their_neighbours_complete(
+    tiny_checkpoint,
+):
+    # What validation would refuse, handed to the scheduler directly: a token beyond the
+    # vocabulary breaks the batched prefill, a fractional top_k breaks the batched sampling.
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    scheduler = Scheduler(
+        ModelRunner(model, torch.device("cpu")), eos_token_ids=set(), context_length=64,
+        max_running_requests=8, seed=0,
+    )  # fmt: skip
+    done: dict = {}
+    finished = threading.Semaphore(0)
+
+    def make(input_ids: list[int], params: SamplingParams) -> Request:
+        def on_event(request: Request, last: bool) -> None:
+            if last:
+                done[request.rid] = request.finish_reason
+                finished.release()
+
+        return Request(input_ids=input_ids, params=params, on_event=on_event)
+
+    try:
+        scheduler.pause()  # admit all four in one batch
+        good = [make([72, 101, 108], SamplingParams(max_new_tokens=12)) for _ in range(2)]
+        bad_prefill = make([10**6], SamplingParams(max_new_tokens=12))
+        bad_sampling = make([72, 105], SamplingParams(max_new_tokens=12))
+        bad_sampling.params.top_k = 2.5  # torch.topk refuses a float k
+        for request in (good[0], bad_prefill, bad_sampling, good[1]):
+            scheduler.submit(request)
+        scheduler.resume()
+        for _ in range(4):
+            assert finished.acquire(timeout=60), f"unanswered: {done}"
+    finally:
+        scheduler.shutdown()
+    for request in good:
+        assert done[request.rid] == {"type": "length", "length": 12}
+        assert len(request.output_ids) == 12
+    for request in (bad_prefill, bad_sampling):
+        assert done[request.rid]["type"] == "abort"
+        assert done[request.rid]["message"].startswith("engine error: ")

@@ -103,10 +103,13 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"temperature": -1}, r"sampling_params.temperature=-1 is out of range: it must be >= 0"),
-        ({"top_p": 0}, r"sampling_params.top_p=0 is out of range"),
-        ({"top_k": 0}, r"sampling_params.top_k=0 is out of range: it must be -1 \(off\) or >= 1"),
-        ({"max_new_tokens": -5}, r"max_new_tokens=-5"),
+        (
+            {"temperature": -1},
+            r"^sampling_params.temperature: .* greater than or equal to 0 \(got -1\)",
+        ),
+        ({"top_p": 0}, r"^sampling_params.top_p: Input should be greater than 0 \(got 0\)"),
+        ({"top_k": 0}, r"^sampling_params.top_k: top_k must be -1 \(off\) or >= 1 \(got 0\)"),
+        ({"max_new_tokens": -5}, r"^sampling_params.max_new_tokens: .* \(got -5\)"),
         ({"frequency_penalty": 0.5}, r"sampling_params.frequency_penalty=0.5 is not supported"),
         ({"temprature": 1.0}, r"unknown field 'temprature'"),
     ],

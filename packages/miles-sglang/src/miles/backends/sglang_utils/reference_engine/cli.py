@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import uvicorn
 
 from miles.backends.sglang_utils.reference_engine.config import DTYPES, ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine, create_app
+from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=128)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"key of the weight, memory, pause and abort routes (default: ${ADMIN_KEY_ENV})",
+    )
+    parser.add_argument("--max-queued-requests", type=int, default=4096)
+    parser.add_argument("--max-request-bytes", type=int, default=64 << 20)
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:1")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

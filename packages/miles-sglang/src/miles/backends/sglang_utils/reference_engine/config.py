@@ -33,7 +33,15 @@ class ReferenceEngineConfig:
     max_running_requests: int = 128
     """--max-running-requests: sequences decoded together; more wait in the queue."""
     api_key: str | None = None
-    """--api-key: require `Authorization: Bearer <key>` on every request."""
+    """--api-key: require `Authorization: Bearer <key>` on every request but the health probes."""
+    admin_api_key: str | None = None
+    """--admin-api-key: the key of the admin routes (weights, memory, pause, abort); without it
+    they take --api-key."""
+    max_queued_requests: int = 4096
+    """--max-queued-requests: sequences waiting for a slot; past it /generate answers 503 with
+    Retry-After. Also the most sequences (prompts x n) one request may ask for."""
+    max_request_bytes: int = 64 << 20
+    """--max-request-bytes: the largest /generate body accepted (413 past it)."""
     device: str | None = None
     """--device: torch device (default: the detected accelerator, else cpu)."""
 
@@ -46,6 +54,12 @@ class ReferenceEngineConfig:
             raise ValueError(
                 f"--max-running-requests must be >= 1, got {self.max_running_requests}"
             )
+        for flag, value in (("--max-queued-requests", self.max_queued_requests),
+                            ("--max-request-bytes", self.max_request_bytes)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.api_key is not None and self.api_key == self.admin_api_key:
+            raise ValueError("--admin-api-key must differ from --api-key, or it guards nothing")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
 

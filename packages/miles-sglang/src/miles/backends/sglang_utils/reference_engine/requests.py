@@ -3,21 +3,24 @@ response format SGLang returns for it.
 
 Every GenerateReqInput field is accepted: fields the reference engine cannot honour are fine at
 their default value and a 400 naming the field otherwise (clients such as sglang-router send
-several of them on every request).
+several of them on every request). Types are checked (`GenerateBody`, `SamplingParamsBody`)
+before anything is tokenized or queued.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
 from miles.backends.sglang_utils.reference_engine.sampling import (
     InvalidRequestError,
     SamplingParams,
 )
 
-# GenerateReqInput fields handled here.
-HANDLED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
 # Fields that only shape logging, routing or tracing: any value is accepted.
 PASS_THROUGH = {
     "model",
@@ -91,65 +94,107 @@ class ParsedGenerate:
     stream: bool
 
 
-def _check_fields(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in HANDLED or name in PASS_THROUGH:
+def _check_fields(extra: dict[str, Any]) -> None:
+    """The fields beyond GenerateBody's: pass-through ones, or others at their defaults."""
+    for name, value in extra.items():
+        if name in PASS_THROUGH:
             continue
         if name in DEFAULTS_ONLY:
             if value not in DEFAULTS_ONLY[name]:
                 raise InvalidRequestError(
                     f"{name}={value!r} is not supported by the reference engine; leave it at its "
-                    f"default ({DEFAULTS_ONLY[name][0]!r}) or use an SGLang engine"
+                    f"default ({DEFAULTS_ONLY[name][0]!r}) or use an SGLang engine",
+                    param=name,
                 )
             continue
         raise InvalidRequestError(
-            f"unknown /generate field {name!r}; see SGLang's GenerateReqInput"
+            f"unknown /generate field {name!r}; see SGLang's GenerateReqInput", param=name
         )
 
 
 def _as_list(value: Any, count: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
-            raise InvalidRequestError(f"{name} has {len(value)} entries for {count} prompts")
+            raise InvalidRequestError(
+                f"{name} has {len(value)} entries for {count} prompts", param=name
+            )
         return value
     return [value] * count
 
 
-def parse_generate(body: Any, tokenize) -> ParsedGenerate:
-    """`tokenize(text) -> ids`. Raises InvalidRequestError for anything malformed."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError(
-            f"the /generate body must be a JSON object, got {type(body).__name__}"
-        )
-    _check_fields(body)
-    text, input_ids = body.get("text"), body.get("input_ids")
+class GenerateBody(BaseModel):
+    """The types of the GenerateReqInput fields handled here (the rest: `_check_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    input_ids: (
+        Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | None
+    ) = None
+    sampling_params: Any = None  # one dict, or one per prompt: SamplingParams.from_json
+    rid: StrictStr | list[StrictStr | None] | None = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    stream: StrictBool = False
+
+
+@dataclass(frozen=True)
+class GenerateLimits:
+    """What one /generate may ask for, checked before any tokenizing or queueing."""
+
+    max_text_chars: int
+    """Characters of one text prompt (a token is at least one character of text)."""
+    max_sequences: int
+    """Sequences of one request: prompts x sampling_params.n."""
+
+
+def parse_generate(
+    body: Any, tokenize: Callable[[str], list[int]], limits: GenerateLimits
+) -> ParsedGenerate:
+    """`tokenize(text) -> ids`. Raises InvalidRequestError for anything malformed or over a
+    limit, naming the field."""
+    parsed = validate_body(GenerateBody, body, prefix="")
+    _check_fields(parsed.model_extra or {})
+    text, input_ids = parsed.text, parsed.input_ids
     if (text is None) == (input_ids is None):
-        raise InvalidRequestError("give exactly one of 'text' or 'input_ids'")
-    if text is not None:
-        is_batch = isinstance(text, list)
-        prompts = [tokenize(t) for t in (text if is_batch else [text])]
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise InvalidRequestError(
-                "input_ids must be a non-empty list of token ids (or of lists)"
-            )
-        is_batch = isinstance(input_ids[0], list)
-        prompts = input_ids if is_batch else [input_ids]
-    for prompt in prompts:
-        if not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise InvalidRequestError(
-                "each prompt must be a non-empty list of non-negative int token ids"
-            )
-    count = len(prompts)
+        raise InvalidRequestError("give exactly one of 'text' or 'input_ids'", param="text")
+    count = len(text if isinstance(text, list) else input_ids if _nested(input_ids) else [0])
+    raw_sampling = _as_list(parsed.sampling_params, count, "sampling_params")
     sampling = [
-        SamplingParams.from_json(p)
-        for p in _as_list(body.get("sampling_params"), count, "sampling_params")
+        SamplingParams.from_json(p, "sampling_params" + (f"[{i}]" if count > 1 else ""))
+        for i, p in enumerate(raw_sampling)
     ]
-    rids = _as_list(body.get("rid"), count, "rid")
-    logprob = _as_list(body.get("return_logprob"), count, "return_logprob")
     n = sampling[0].n
     if any(p.n != n for p in sampling):
-        raise InvalidRequestError("sampling_params.n must be the same for every prompt of a batch")
+        raise InvalidRequestError(
+            "sampling_params.n must be the same for every prompt of a batch",
+            param="sampling_params",
+        )
+    if count * n > limits.max_sequences:
+        raise InvalidRequestError(
+            f"{count} prompt(s) x n={n} is {count * n} sequences, over this engine's "
+            f"{limits.max_sequences} per request (--max-queued-requests); split the request",
+            param="sampling_params.n" if n > 1 else "input_ids",
+        )
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        for i, t in enumerate(texts):
+            if len(t) > limits.max_text_chars:
+                raise InvalidRequestError(
+                    f"text{f'[{i}]' if is_batch else ''} has {len(t)} characters, more than the "
+                    f"{limits.max_text_chars} that can fit the context length",
+                    param="text",
+                )
+        prompts = [tokenize(t) for t in texts]
+        if not all(prompts):
+            raise InvalidRequestError("a text prompt tokenizes to no tokens", param="text")
+    else:
+        is_batch = _nested(input_ids)
+        prompts = input_ids if is_batch else [input_ids]
+    rids = _as_list(parsed.rid, count, "rid")
+    logprob = _as_list(parsed.return_logprob, count, "return_logprob")
     sequences = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         for copy in range(n):
@@ -163,9 +208,11 @@ def parse_generate(body: Any, tokenize) -> ParsedGenerate:
                 return_logprob=bool(logprob[i]),
             )
             sequences.append(spec)
-    return ParsedGenerate(
-        sequences=sequences, is_batch=is_batch or n > 1, stream=bool(body.get("stream", False))
-    )
+    return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)
+
+
+def _nested(input_ids: Any) -> bool:
+    return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
 
 
 def response_item(request, text: str, return_logprob: bool) -> dict[str, Any]:

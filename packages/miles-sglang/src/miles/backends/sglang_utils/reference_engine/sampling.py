@@ -6,7 +6,8 @@ distribution the trainer's `get_log_probs_and_entropy` scores, so both sides agr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,7 +40,12 @@ ALIASES = {"sampling_seed": "seed"}
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the server answers 400 with this message."""
+    """A request the engine refuses; the server answers 400 with this message, naming `param`
+    (the field's dotted path) when one field is to blame."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(kw_only=True)
@@ -83,34 +89,45 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
-    def from_json(cls, raw: dict | None) -> SamplingParams:
-        """Parse SGLang's sampling_params dict; unknown or unsupported fields are a clear 400."""
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
+    def from_json(cls, raw: Any, param: str = "sampling_params") -> SamplingParams:
+        """Parse SGLang's sampling_params dict: wrong types, out-of-range values and unknown or
+        unsupported fields are an InvalidRequestError naming the field (`param` prefixes it)."""
+        # Imported here: request_models imports this module's error type.
+        from miles.backends.sglang_utils.reference_engine.request_models import (
+            SamplingParamsBody,
+            validate_body,
+        )
+
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(
+                f"{param} must be a JSON object, got {type(raw).__name__}", param=param
+            )
         kwargs = {}
         for name, value in raw.items():
-            name = ALIASES.get(name, name)
-            if name in known:
-                kwargs[name] = value
+            canonical = ALIASES.get(name, name)
+            if canonical in SamplingParamsBody.model_fields:
+                kwargs[canonical] = value
             elif name in UNSUPPORTED_AT_DEFAULT:
                 if value not in (UNSUPPORTED_AT_DEFAULT[name], None):
                     raise InvalidRequestError(
-                        f"sampling_params.{name}={value!r} is not supported by the reference engine; "
-                        f"leave it at {UNSUPPORTED_AT_DEFAULT[name]!r} or use an SGLang engine"
+                        f"{param}.{name}={value!r} is not supported by the reference engine; "
+                        f"leave it at {UNSUPPORTED_AT_DEFAULT[name]!r} or use an SGLang engine",
+                        param=f"{param}.{name}",
                     )
             elif name not in ACCEPTED_AND_IGNORED:
+                known = ", ".join(sorted(SamplingParamsBody.model_fields))
                 raise InvalidRequestError(
-                    f"sampling_params has unknown field {name!r}; known: {', '.join(sorted(known))}"
+                    f"{param} has unknown field {name!r}; known: {known}",
+                    param=f"{param}.{name}",
                 )
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = [kwargs["stop"]]
-        for name in ("stop", "stop_token_ids"):
-            if kwargs.get(name) is None:
-                kwargs.pop(name, None)
-        try:
-            return cls(**kwargs)
-        except TypeError as err:
-            raise InvalidRequestError(f"bad sampling_params: {err}") from None
+        body = validate_body(SamplingParamsBody, kwargs, prefix=param)
+        values = body.model_dump()
+        stop = values["stop"]
+        values["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        values["stop_token_ids"] = list(values["stop_token_ids"] or [])
+        return cls(**values)
 
 
 def _filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:

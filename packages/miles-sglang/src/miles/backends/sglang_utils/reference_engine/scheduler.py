@@ -124,6 +124,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet admitted (approximate while the loop admits)."""
+        return self._waiting.qsize()
+
     def run_command(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the loop thread between two steps (even while paused)."""
         future: Future = Future()
@@ -148,11 +153,12 @@ class Scheduler:
             try:
                 self._step()
             except Exception as err:  # a bug or OOM must fail the requests, not kill the loop
+                # A decode forward runs the whole batch at once: no request can be singled out.
                 logger.exception(
                     "engine step failed; aborting %d running requests", len(self._running)
                 )
                 for request in self._running:
-                    self._finish(request, {"type": "abort", "message": f"engine error: {err}"})
+                    self._finish(request, _engine_error(err))
                 self._running, self._state, self._next_tokens = [], None, []
 
     def _run_commands(self) -> None:
@@ -199,20 +205,44 @@ class Scheduler:
         for request, row in zip(new, rows, strict=True):
             request.cached_tokens = len(request.input_ids) if row in seen else 0
             seen.add(row)
-        try:
-            start = time.perf_counter()
-            logits, state = self.runner.prefill([r.input_ids for r in new])
-            self.step_seconds["prefill"] += time.perf_counter() - start
-            tokens = self._sample_and_record(new, logits)
-        except Exception as err:
-            # Not running yet, so the loop's handler would not answer them: fail them here.
-            for request in new:
-                self._finish(request, {"type": "abort", "message": f"engine error: {err}"})
-            raise
-        self._running += new
+        admitted, state = self._prefill(new)
+        if not admitted:
+            return
+        tokens = self._sample_and_record(admitted, state[0])
+        self._running += admitted
         self._next_tokens += tokens
-        self._state = merge_states(self._state, state)
+        self._state = merge_states(self._state, state[1])
         self._retire_finished()
+
+    def _prefill(
+        self, requests: list[Request]
+    ) -> tuple[list[Request], tuple[torch.Tensor, BatchState] | tuple[None, None]]:
+        """One batched prefill; if it fails, each request alone, so a request that breaks the
+        forward pass fails by itself (the running ones are untouched). Returns the prefilled
+        requests and their (logits, state)."""
+        start = time.perf_counter()
+        try:
+            return requests, self.runner.prefill([r.input_ids for r in requests])
+        except Exception as err:
+            if len(requests) == 1:
+                logger.exception("prefill of request %s failed", requests[0].rid)
+                self._finish(requests[0], _engine_error(err))
+                return [], (None, None)
+            logger.exception(
+                "a prefill of %d requests failed; prefilling each alone", len(requests)
+            )
+        finally:
+            self.step_seconds["prefill"] += time.perf_counter() - start
+        admitted, logits, states = [], [], None
+        for request in requests:
+            kept, (row_logits, state) = self._prefill([request])
+            if kept:
+                admitted.append(request)
+                logits.append(row_logits)
+                states = merge_states(states, state)
+        if not admitted:
+            return [], (None, None)
+        return admitted, (torch.cat(logits), states)
 
     def _step(self) -> None:
         step_start = time.perf_counter()
@@ -230,16 +260,40 @@ class Scheduler:
             self.step_seconds["steps"] += time.perf_counter() - step_start
 
     def _sample_and_record(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """Sample each request's next token and record it. A request whose sampling or stop
+        check fails is marked finished with the error (and retired with the finished ones);
+        the others go on."""
         start = time.perf_counter()
-        tokens, log_probs = sample_next_tokens(
-            logits, [r.params for r in requests], [r.generator for r in requests]
-        )
+        failed: dict[int, Exception] = {}
+        try:
+            tokens, log_probs = sample_next_tokens(
+                logits, [r.params for r in requests], [r.generator for r in requests]
+            )
+        except Exception:
+            logger.exception("sampling %d requests failed; sampling each alone", len(requests))
+            tokens, log_probs = [0] * len(requests), [0.0] * len(requests)
+            for row, request in enumerate(requests):
+                try:
+                    (tokens[row],), (log_probs[row],) = sample_next_tokens(
+                        logits[row : row + 1], [request.params], [request.generator]
+                    )
+                except Exception as err:
+                    failed[row] = err
         self.step_seconds["sampling"] += time.perf_counter() - start
-        for request, token, log_prob in zip(requests, tokens, log_probs, strict=True):
+        for row, (request, token, log_prob) in enumerate(
+            zip(requests, tokens, log_probs, strict=True)
+        ):
+            if row in failed:
+                request.finish_reason = _engine_error(failed[row])
+                continue
             request.output_ids.append(token)
             request.output_logprobs.append(log_prob)
             request.weight_version = self.weight_version
-            request.finish_reason = self._finish_reason(request, token)
+            try:
+                request.finish_reason = self._finish_reason(request, token)
+            except Exception as err:
+                logger.exception("the stop check of request %s failed", request.rid)
+                request.finish_reason = _engine_error(err)
             if request.finish_reason is None:
                 request.on_event(request, False)
         return tokens
@@ -294,3 +348,8 @@ class Scheduler:
                 return False
             time.sleep(0.01)
         return True
+
+
+def _engine_error(err: Exception) -> dict[str, Any]:
+    """The finish reason of a request that failed inside the engine (SGLang's abort type)."""
+    return {"type": "abort", "message": f"engine error: {type(err).__name__}: {err}"}

@@ -1,16 +1,24 @@
 """The reference engine's HTTP server: SGLang's native API over FastAPI, for any transformers
-causal LM, on CPU or GPU. Mutating routes accept POST only; bad input is a 400 that says what
-was wrong, and the engine keeps serving.
+causal LM, on CPU or GPU.
+
+Mutating routes accept POST only. Every body is typed and range-checked before anything is
+queued: bad input is a 400 naming the field and its value, and never reaches the decode step
+other requests share. Any other failure is a JSON 500 on a connection that stays open. A client
+that hangs up stops its sequences. Limits: --max-request-bytes per body, a prompt's text length
+before it is tokenized (off the event loop), --max-queued-requests (503 with Retry-After past it).
+Admin routes (weights, memory, pause, abort) take --admin-api-key when it is set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -21,7 +29,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
+from miles.backends.sglang_utils.reference_engine.request_models import (
+    AbortBody,
+    DiskUpdateBody,
+    DistributedUpdateBody,
+    GroupBody,
+    InitGroupBody,
+    MemoryBody,
+    PauseBody,
+    TensorUpdateBody,
+    validate_body,
+)
 from miles.backends.sglang_utils.reference_engine.requests import (
+    GenerateLimits,
     ParsedGenerate,
     SequenceSpec,
     parse_generate,
@@ -40,8 +60,39 @@ logger = logging.getLogger(__name__)
 VERSION = "miles-reference-engine/1"
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "request_too_large",
+                503: "overloaded_error"}  # fmt: skip
+# Routes that change the engine's weights or state, or cut into others' requests: they take the
+# admin key (--admin-api-key) when one is set. /health and /health_generate stay open, as in
+# SGLang: routers and orchestrators poll them keyless.
+ADMIN_ROUTES = frozenset({
+    "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
+    "/update_weights_from_distributed", "/destroy_weights_update_group",
+    "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
+    "/continue_generation", "/abort_request", "/flush_cache",
+})  # fmt: skip
+OPEN_ROUTES = frozenset({"/health", "/health_generate"})
+# A token is at least one character of text: a longer prompt cannot fit, so it is refused before
+# the tokenizer spends seconds on it.
+_MAX_CHARS_PER_TOKEN = 64
+# How long a client refused for a full queue should wait before it tries again.
+_RETRY_AFTER_S = 1
+
+
+def _error(
+    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+             "param": param, "code": status}  # fmt: skip
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A body over --max-request-bytes: refused unread (413)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than --max-queued-requests: refused, to be retried (503)."""
 
 
 class ReferenceEngine:
@@ -65,6 +116,29 @@ class ReferenceEngine:
             seed=config.random_seed,
         )
         self.weights = WeightManager(self.scheduler, self.scheduler.runner.model, self.device)
+        self.limits = GenerateLimits(
+            max_text_chars=self.context_length * _MAX_CHARS_PER_TOKEN,
+            max_sequences=config.max_queued_requests,
+        )
+        # One thread tokenizes, off the event loop: a long prompt does not stall /health, and a
+        # fast tokenizer is never entered from two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def parse(self, body: Any) -> ParsedGenerate:
+        """A /generate body, validated and tokenized off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread, parse_generate, body, self.tokenize, self.limits
+        )
+
+    def check_queue(self, sequences: int) -> None:
+        """Refuse `sequences` more when the wait queue would grow past --max-queued-requests."""
+        waiting = self.scheduler.num_waiting
+        if waiting + sequences > self.config.max_queued_requests:
+            raise QueueFullError(
+                f"{waiting} requests wait already; {sequences} more would pass "
+                f"--max-queued-requests {self.config.max_queued_requests}: retry shortly"
+            )
 
     def _eos_ids(self, model) -> set[int]:
         ids = model.generation_config.eos_token_id if model.generation_config else None
@@ -120,6 +194,8 @@ class ReferenceEngine:
 
     def server_info(self) -> dict[str, Any]:
         info = asdict(self.config)
+        for key in ("api_key", "admin_api_key"):  # said to be set, never echoed
+            info[key] = "(set)" if info[key] else None
         info.update(
             version=VERSION,
             pid=os.getpid(),
@@ -129,6 +205,7 @@ class ReferenceEngine:
             internal_states=[
                 {
                     "num_running": self.scheduler.num_running,
+                    "num_waiting": self.scheduler.num_waiting,
                     "paused": self.scheduler.paused,
                     "finished_requests": self.scheduler.finished_requests,
                     "decode_steps": self.scheduler.steps,
@@ -142,10 +219,9 @@ class ReferenceEngine:
 
 def _submit(
     engine: ReferenceEngine, parsed: ParsedGenerate, loop, on_update
-) -> list[asyncio.Future]:
-    futures = []
-    for spec in parsed.sequences:
-        engine.validate(spec)
+) -> tuple[list[asyncio.Future], list[EngineRequest]]:
+    """Queue every sequence; their futures (set when each finishes) and engine requests."""
+    futures, requests = [], []
     for index, spec in enumerate(parsed.sequences):
         future = loop.create_future()
 
@@ -165,35 +241,75 @@ def _submit(
             request.rid = spec.rid
         engine.scheduler.submit(request)
         futures.append(future)
-    return futures
+        requests.append(request)
+    return futures, requests
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request, max_bytes: int | None = None) -> Any:
+    """The request's JSON (an empty body is `{}`); a body past `max_bytes` is refused unread."""
+    declared = request.headers.get("content-length")
+    if max_bytes is not None and declared and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(
+            f"the body has {declared} bytes, over --max-request-bytes {max_bytes}"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            raise RequestTooLargeError(f"the body is over --max-request-bytes {max_bytes}")
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body() or b"{}")
-    except json.JSONDecodeError as err:
-        raise InvalidRequestError(f"malformed JSON body: {err}") from None
+        return json.loads(b"".join(chunks) or b"{}")
+    except ValueError as err:  # invalid JSON, or bytes that are not UTF-8
+        raise InvalidRequestError(f"the body is not valid JSON: {err}") from None
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its request fully read, the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+
+
+def _authorized(presented: str | None, *keys: str | None) -> bool:
+    given = (presented or "").encode()
+    # Every set key is compared, in constant time, so the answer's timing says nothing of which.
+    return any([hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys if key])
 
 
 def create_app(engine: ReferenceEngine) -> FastAPI:
     app = FastAPI(title="miles reference engine")
-    api_key = engine.config.api_key
+    api_key, admin_key = engine.config.api_key, engine.config.admin_api_key
 
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        # Health probes stay open, as in SGLang: routers and orchestrators poll them keyless.
-        open_path = request.url.path in ("/health", "/health_generate")
-        if (
-            api_key
-            and not open_path
-            and request.headers.get("authorization") != f"Bearer {api_key}"
-        ):
-            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+    async def check_keys(request: Request, call_next):
+        path, presented = request.url.path, request.headers.get("authorization")
+        if path in OPEN_ROUTES:
+            return await call_next(request)
+        if path in ADMIN_ROUTES:
+            required = (admin_key,) if admin_key else (api_key,)
+            what = "the admin key (--admin-api-key)" if admin_key else "the API key"
+        else:  # inference and info: the API key, or the admin key that outranks it
+            required = (api_key, admin_key) if api_key else ()
+            what = "the API key"
+        if any(required) and not _authorized(presented, *required):
+            return _error(401, f"{path} needs {what}: send 'Authorization: Bearer <key>'")
         return await call_next(request)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, err: InvalidRequestError):
-        return _error(400, str(err))
+        status = 413 if isinstance(err, RequestTooLargeError) else 400
+        return _error(status, str(err), param=err.param)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, err: QueueFullError):
+        return _error(503, str(err), headers={"Retry-After": str(_RETRY_AFTER_S)})
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        # A JSON answer on a kept connection, never a reset: the client's pooled connection
+        # must survive for its next request.
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, f"internal error in {request.url.path}: {type(err).__name__}: {err}")
 
     async def run(fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(engine.scheduler.run_command(fn))
@@ -208,12 +324,26 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        parsed = parse_generate(await _json_body(request), engine.tokenize)
+        parsed = await engine.parse(await _json_body(request, engine.config.max_request_bytes))
+        for spec in parsed.sequences:
+            engine.validate(spec)
+        engine.check_queue(len(parsed.sequences))
         loop = asyncio.get_running_loop()
         if parsed.stream:
             return StreamingResponse(_stream(engine, parsed, loop), media_type="text/event-stream")
-        futures = _submit(engine, parsed, loop, None)
-        done = await asyncio.gather(*futures)
+        futures, requests = _submit(engine, parsed, loop, None)
+        answered = asyncio.gather(*futures)
+        hung_up = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({answered, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung_up.cancel()
+        if not answered.done():  # nobody waits for the answer: free the slots now
+            for engine_request in requests:
+                engine.scheduler.abort(rid=engine_request.rid)
+            answered.cancel()
+            return Response(status_code=499)
+        done = answered.result()
         items = [
             response_item(r, engine.final_text(r), spec.return_logprob)
             for r, spec in zip(done, parsed.sequences, strict=True)
@@ -230,11 +360,9 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return _error(503, f"memory released: {sorted(engine.weights.released)}")
         spec = SequenceSpec("", [0], SamplingParams(max_new_tokens=1, temperature=0.0), False)
         loop = asyncio.get_running_loop()
+        futures, _ = _submit(engine, ParsedGenerate([spec], False, False), loop, None)
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*_submit(engine, ParsedGenerate([spec], False, False), loop, None)),
-                60,
-            )
+            await asyncio.wait_for(asyncio.gather(*futures), 60)
         except TimeoutError:
             return _error(
                 503, "a 1-token generation did not finish in 60 s (engine paused or busy)"
@@ -268,10 +396,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        body = await _json_body(request)
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "in_place", "retract"):
-            raise InvalidRequestError(f"pause mode {mode!r} is not one of abort, in_place, retract")
+        mode = validate_body(PauseBody, await _json_body(request)).mode
         engine.scheduler.pause()
         if mode == "abort":
             engine.scheduler.abort(abort_all=True)
@@ -284,74 +409,51 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _json_body(request)
-        engine.scheduler.abort(
-            rid=str(body.get("rid") or ""), abort_all=bool(body.get("abort_all", False))
-        )
+        body = validate_body(AbortBody, await _json_body(request))
+        engine.scheduler.abort(rid=body.rid, abort_all=body.abort_all)
         return Response(status_code=200)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        body = await _json_body(request)
+        body = validate_body(TensorUpdateBody, await _json_body(request))
         return await action(
             lambda: run(
                 lambda: engine.weights.from_tensor(
-                    body.get("serialized_named_tensors") or [],
-                    body.get("load_format"),
-                    body.get("weight_version"),
+                    body.serialized_named_tensors, body.load_format, body.weight_version
                 )
             )
         )
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = await _json_body(request)
-        if not body.get("model_path"):
-            raise InvalidRequestError("model_path is required")
+        body = validate_body(DiskUpdateBody, await _json_body(request))
         return await action(
-            lambda: run(
-                lambda: engine.weights.from_disk(body["model_path"], body.get("weight_version"))
-            )
+            lambda: run(lambda: engine.weights.from_disk(body.model_path, body.weight_version))
         )
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        body = await _json_body(request)
-        keys = (
-            "master_address",
-            "master_port",
-            "rank_offset",
-            "world_size",
-            "group_name",
-            "backend",
-        )
-        missing = [k for k in keys if k not in body]
-        if missing:
-            raise InvalidRequestError(f"missing fields {missing}")
-        kwargs = {k: body[k] for k in keys}
+        body = validate_body(InitGroupBody, await _json_body(request))
         # Joining blocks until the trainer joins too: run it off the event loop and engine loop.
-        return await action(lambda: asyncio.to_thread(engine.weights.init_group, **kwargs))
+        return await action(
+            lambda: asyncio.to_thread(engine.weights.init_group, **body.model_dump())
+        )
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        body = await _json_body(request)
-        kwargs = {
-            k: body.get(k) for k in ("names", "dtypes", "shapes", "group_name", "weight_version")
-        }
-        if any(kwargs[k] is None for k in ("names", "dtypes", "shapes", "group_name")):
-            raise InvalidRequestError("names, dtypes, shapes and group_name are required")
-        return await action(lambda: run(lambda: engine.weights.from_distributed(**kwargs)))
+        body = validate_body(DistributedUpdateBody, await _json_body(request))
+        return await action(
+            lambda: run(lambda: engine.weights.from_distributed(**body.model_dump()))
+        )
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
-        body = await _json_body(request)
-        return await action(
-            lambda: run(lambda: engine.weights.destroy_group(str(body.get("group_name"))))
-        )
+        body = validate_body(GroupBody, await _json_body(request))
+        return await action(lambda: run(lambda: engine.weights.destroy_group(body.group_name)))
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request):
-        tags = check_tags((await _json_body(request)).get("tags"))
+        tags = check_tags(validate_body(MemoryBody, await _json_body(request)).tags)
         if not engine.scheduler.wait_idle(timeout_s=0.0):
             raise InvalidRequestError(
                 "requests are running; pause or wait for them before releasing memory"
@@ -360,7 +462,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request):
-        tags = check_tags((await _json_body(request)).get("tags"))
+        tags = check_tags(validate_body(MemoryBody, await _json_body(request)).tags)
         return await action(lambda: run(lambda: engine.weights.resume(tags)))
 
     return app
@@ -369,24 +471,30 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 async def _stream(engine: ReferenceEngine, parsed: ParsedGenerate, loop) -> AsyncIterator[bytes]:
     """Server-sent events as SGLang sends them: the cumulative result so far, then [DONE]."""
     updates: asyncio.Queue = asyncio.Queue()
-    futures = _submit(
+    futures, requests = _submit(
         engine, parsed, loop, lambda index, request: updates.put_nowait((index, request))
     )
     pending = set(range(len(futures)))
     for index, future in enumerate(futures):
         future.add_done_callback(lambda f, index=index: updates.put_nowait((index, None)))
     started = time.monotonic()
-    while pending:
-        index, request = await updates.get()
-        spec = parsed.sequences[index]
-        if request is None:
-            pending.discard(index)
-            request = futures[index].result()
-            text = engine.final_text(request)
-        else:
-            text = engine.decode(request.output_ids)
-        item = response_item(request, text, spec.return_logprob)
-        item["index"] = index
-        yield f"data: {json.dumps(item)}\n\n".encode()
+    try:
+        while pending:
+            index, request = await updates.get()
+            spec = parsed.sequences[index]
+            if request is None:
+                pending.discard(index)
+                request = futures[index].result()
+                text = engine.final_text(request)
+            else:
+                text = engine.decode(request.output_ids)
+            item = response_item(request, text, spec.return_logprob)
+            item["index"] = index
+            yield f"data: {json.dumps(item)}\n\n".encode()
+    finally:
+        # The client hung up (the response task is cancelled) or a send failed: nobody reads
+        # what is left, so its sequences stop decoding.
+        for index in pending:
+            engine.scheduler.abort(rid=requests[index].rid)
     logger.debug("stream of %d sequences done in %.2f s", len(futures), time.monotonic() - started)
     yield b"data: [DONE]\n\n"

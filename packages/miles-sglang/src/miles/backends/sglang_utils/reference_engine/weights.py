@@ -59,10 +59,12 @@ class WeightManager:
         if "weights" in self.released:
             raise InvalidRequestError("weights are released; call /resume_memory_occupation first")
 
-    def _load(self, named_tensors, weight_version: str | None) -> str:
+    def _load(self, named_tensors, weight_version: str | None, *, complete: bool = False) -> str:
+        """Load all of `named_tensors` or none (the version stays too); `complete`: they must
+        cover every parameter (a whole checkpoint)."""
         self._require_weights()
         try:
-            count = load_named_tensors(self.model, named_tensors)
+            count = load_named_tensors(self.model, named_tensors, complete=complete)
         except WeightUpdateError as err:
             raise InvalidRequestError(str(err)) from None
         version = self._bump(weight_version)
@@ -89,11 +91,20 @@ class WeightManager:
         return self._load(named, weight_version)
 
     def from_disk(self, model_path: str, weight_version: str | None) -> str:
+        """A whole checkpoint directory: every file readable and every parameter in it, or the
+        engine keeps its weights and version."""
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise InvalidRequestError(f"no *.safetensors files in model_path {model_path!r}")
-        named = [item for f in files for item in load_file(str(f)).items()]
-        return self._load(named, weight_version)
+        named = []
+        for file in files:
+            try:
+                named += load_file(str(file)).items()
+            except Exception as err:  # safetensors raises its own error type for a bad header
+                raise InvalidRequestError(
+                    f"cannot read {file}: {type(err).__name__}: {err}; the weights are unchanged"
+                ) from None
+        return self._load(named, weight_version, complete=True)
 
     def init_group(
         self,

@@ -17,19 +17,33 @@ _MAX_LISTED = 5
 
 
 class WeightUpdateError(ValueError):
-    """A weight update named an unknown tensor or sent a wrong shape; the model is unchanged."""
+    """A weight update named an unknown tensor, sent a wrong shape or a non-finite value, or left
+    out part of a checkpoint; the model is unchanged."""
 
 
-def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+def load_named_tensors(
+    model: torch.nn.Module,
+    named_tensors: Iterable[tuple[str, Tensor]],
+    *,
+    complete: bool = False,
+) -> int:
     """Copy each `(name, tensor)` into the model's parameter or buffer of that name; return the count.
 
     Tensors are cast to the target's dtype and device. Tied weights (e.g. `lm_head.weight` tied to
     `model.embed_tokens.weight`) are accepted under either name. Raises `WeightUpdateError`, before
-    anything is copied, if any name is unknown or any shape differs from the model's.
+    anything is copied, if any name is unknown, any shape differs from the model's or any value
+    is not finite; with `complete` (a whole checkpoint), also if a parameter is missing.
     """
     named_tensors = list(named_tensors)
     targets = _targets(model)
     problems = [p for name, tensor in named_tensors if (p := _check(name, tensor, targets))]
+    if complete:
+        loaded = {id(targets[name]) for name, _ in named_tensors if name in targets}
+        problems += [
+            f"parameter {name!r} is missing"
+            for name, parameter in model.named_parameters()
+            if id(parameter) not in loaded
+        ]
     if problems:
         listed = "; ".join(problems[:_MAX_LISTED])
         more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
@@ -72,4 +86,6 @@ def _check(name: str, tensor: object, targets: dict[str, Tensor]) -> str | None:
         return f"{name!r} is a {type(tensor).__name__}, not a tensor"
     if tuple(tensor.shape) != tuple(target.shape):
         return f"{name!r} has shape {tuple(tensor.shape)} but the model's is {tuple(target.shape)}"
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        return f"{name!r} holds NaN or infinite values"
     return None
