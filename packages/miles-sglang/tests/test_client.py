@@ -35,6 +35,7 @@ class Scripted:
         self.bodies: dict[str, list[Any]] = collections.defaultdict(list)
         self.auth: list[str | None] = []
         self.delay_s = 0.0
+        self.trickle_s: float | None = None  # answer /generate one byte every this many seconds
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -43,6 +44,8 @@ class Scripted:
         if not self.script[endpoint]:
             return None
         status, body = self.script[endpoint].pop(0)
+        if isinstance(body, Response):
+            return body
         if isinstance(body, str):
             return PlainTextResponse(body, status_code=status)
         return JSONResponse(body, status_code=status)
@@ -73,6 +76,15 @@ def build_app(state: Scripted) -> FastAPI:
         answer = state.next_answer("generate")
         if answer is not None:
             return answer
+        if state.trickle_s is not None:  # alive, never silent long enough for a read timeout
+            interval = state.trickle_s
+
+            async def trickle():
+                for byte in b'{"text": "' + b"x" * 10_000:
+                    await asyncio.sleep(interval)
+                    yield bytes([byte])
+
+            return StreamingResponse(trickle(), media_type="application/json")
         if body.get("stream"):
             chunks = [f'data: {{"text": "{t}"}}\n\n' for t in ("a", "ab", "abc")] + [
                 "data: [DONE]\n\n"
@@ -173,9 +185,21 @@ def test_get_is_not_retried_on_4xx(engine):
     assert state.calls["get_model_info"] == 1
 
 
-def test_generate_is_never_retried_even_on_503(engine):
+def test_a_503_is_retried_for_any_method_after_its_retry_after(engine):
+    # A 503 (a full queue) means nothing was processed: even a POST is safe to send again.
     url, state = engine
-    state.script["generate"] = [(503, {"error": {"message": "scheduler died"}})]
+    full = JSONResponse({"error": {"message": "queue full"}}, status_code=503,
+                        headers={"Retry-After": "0.4"})  # fmt: skip
+    state.script["generate"] = [(503, full)]
+    start = time.monotonic()
+    answer = run(lambda c: c.generate({"input_ids": [1]}), url, max_retries=3)
+    assert time.monotonic() - start >= 0.4  # the server's Retry-After, not the 0.05 s backoff
+    assert answer["text"] == "ok" and state.calls["generate"] == 2
+
+
+def test_a_post_answered_with_another_5xx_is_not_sent_again(engine):
+    url, state = engine
+    state.script["generate"] = [(500, {"error": {"message": "scheduler died"}})]
     with pytest.raises(EngineError, match="scheduler died"):
         run(lambda c: c.generate({"input_ids": [1]}), url, max_retries=3)
     assert state.calls["generate"] == 1
@@ -230,15 +254,47 @@ def test_get_retries_connection_refused_until_the_engine_comes_up():
     assert info["endpoint"] == "get_server_info"
 
 
-def test_post_to_a_refused_port_fails_at_once_without_retrying(caplog):
+def test_a_refused_post_is_sent_again_because_it_never_left():
+    port = free_port()
+    state = Scripted()
+    with contextlib.ExitStack() as stack:
+        timer = threading.Timer(0.4, lambda: stack.enter_context(serve(build_app(state), port)))
+        timer.start()
+        answer = run(lambda c: c.generate({"input_ids": [1]}), f"http://127.0.0.1:{port}",
+                     max_retries=30)  # fmt: skip
+        timer.join()
+    assert answer["text"] == "ok" and state.calls["generate"] == 1
+
+
+def test_a_refused_post_gives_up_after_the_retry_bound_naming_the_engine():
     url = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
     with pytest.raises(EngineError) as info:
-        run(lambda c: c.generate({"input_ids": [1]}), url, max_retries=5, backoff_s=1.0)
-    assert time.monotonic() - start < 1.0, "a retry would have slept 1 s"
+        run(lambda c: c.generate({"input_ids": [1]}), url, max_retries=2)
     assert info.value.status is None and "connection failed" in str(info.value)
     assert url in str(info.value) and "/generate" in str(info.value)
-    assert "retry" not in caplog.text
+
+
+def test_a_trickling_answer_fails_at_the_calls_deadline(engine):
+    # One byte every 0.1 s: a read timeout of 1 s never fires, the call's deadline does.
+    url, state = engine
+    state.trickle_s = 0.1
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="no complete answer within 2 s"):
+        run(lambda c: c.generate({"input_ids": [1]}), url,
+            timeouts=EngineTimeouts(connect_s=0.5, generate_s=1.5))  # fmt: skip
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_generate_deadline_follows_its_token_budget():
+    timeouts = EngineTimeouts(control_s=5.0, generate_s=600.0, per_token_s=0.5)
+    assert timeouts.generate_deadline_s({"sampling_params": {"max_new_tokens": 10}}) == 10.0
+    batch = {"sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 20}]}
+    assert timeouts.generate_deadline_s(batch) == 15.0  # the longest sequence of the batch
+    assert timeouts.generate_deadline_s({}) == 5.0 + 0.5 * 128  # SGLang's default budget
+    assert timeouts.generate_deadline_s({"sampling_params": {"max_new_tokens": 10**6}}) == 600.0
+    assert (
+        EngineTimeouts().generate_deadline_s({"sampling_params": {"max_new_tokens": 1}}) == 3600.0
+    )
 
 
 def test_concurrency_limit_bounds_generations_in_flight(engine):

@@ -2,9 +2,10 @@
 
 (architecture.md: "Contracts / Rollout engine")
 
-Only idempotent GETs are retried (bounded, exponential backoff, on connection errors and 5xx);
-every POST - generation, pause, weight updates - is sent exactly once, because repeating one is
-not harmless. `SyncEngineClient` offers the same calls to trainers and Ray actors without asyncio.
+Every call has a deadline for the whole exchange. Idempotent GETs are retried (bounded,
+exponential backoff, on connection errors and 5xx); a POST - generation, pause, weight updates -
+is sent again only when the server cannot have processed it (connection refused, or 503 with its
+Retry-After), because repeating one is not harmless. `SyncEngineClient` offers the same calls to trainers and Ray actors without asyncio.
 """
 
 from __future__ import annotations
@@ -110,9 +111,30 @@ class EngineTimeouts:
     control_s: float = 60.0
     """Health, info, cache, pause and abort calls (SGLang's /health_generate may take 20 s)."""
     generate_s: float = 3600.0
-    """Reading a /generate answer: a long rollout streams nothing until it ends."""
+    """The whole /generate call: a long rollout streams nothing until it ends."""
+    per_token_s: float | None = None
+    """With it, a /generate call's deadline is this times its max_new_tokens (plus the control
+    bound), capped at `generate_s`: a short request to a hung engine fails in seconds."""
     weights_s: float = 1800.0
     """Weight updates and memory release/resume: loading a large model takes minutes."""
+
+    def generate_deadline_s(self, payload: dict[str, Any]) -> float:
+        """The deadline of one /generate call with `payload` (SGLang's body)."""
+        if self.per_token_s is None:
+            return self.generate_s
+        params = payload.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params]
+        tokens = max(
+            (int(p.get("max_new_tokens") or _SGLANG_MAX_NEW_TOKENS) for p in params if p),
+            default=_SGLANG_MAX_NEW_TOKENS,
+        )
+        return min(self.generate_s, self.control_s + self.per_token_s * tokens)
+
+
+# SGLang's default max_new_tokens, when a request leaves it out.
+_SGLANG_MAX_NEW_TOKENS = 128
+# The longest Retry-After a client honours; a longer one waits this long and tries again.
+_MAX_RETRY_AFTER_S = 30.0
 
 
 def _drop_none(fields: dict[str, Any]) -> dict[str, Any]:
@@ -194,26 +216,53 @@ class EngineClient:
         payload: Any = None,
         read_timeout_s: float | None = None,
         retry: bool = False,
+        deadline_s: float | None = None,
     ) -> httpx.Response:
-        """One call; `retry` only for idempotent calls. Raises EngineError on 4xx/5xx."""
-        timeout = self._timeout(read_timeout_s or self.timeouts.control_s)
-        attempts = 1 + (self.max_retries if retry else 0)
+        """One call, whole within `deadline_s` (default: the read bound plus the connect bound),
+        retries included: a server that trickles its answer cannot hold the caller. Raises
+        EngineError on 4xx/5xx.
+
+        Any method is tried again when nothing was processed: the connection was refused, or the
+        server answered 503 (after its Retry-After). `retry` (idempotent calls only) also covers
+        broken connections and other 5xx."""
+        read_s = read_timeout_s or self.timeouts.control_s
+        deadline_s = deadline_s or read_s + self.timeouts.connect_s
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._attempts(method, endpoint, payload, read_s, retry)
+        except TimeoutError:
+            raise EngineError(
+                self.url, endpoint, None,
+                f"timed out: no complete answer within {deadline_s:.0f} s (the call's deadline)",
+                f"check that the engine at {self.url} is not hung; its log says more",
+            ) from None  # fmt: skip
+
+    async def _attempts(
+        self, method: str, endpoint: str, payload: Any, read_s: float, retry: bool
+    ) -> httpx.Response:
+        timeout = self._timeout(read_s)
+        attempts = 1 + self.max_retries
         for attempt in range(1, attempts + 1):
+            delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
             try:
                 response = await self._http.request(method, endpoint, json=payload, timeout=timeout)
             except httpx.TransportError as exc:
                 failure = self._transport_error(endpoint, exc)
-                if not isinstance(exc, _RETRYABLE_ERRORS):
+                # Refused: the request never left, so sending it again is safe for any method.
+                unsent = isinstance(exc, httpx.ConnectError)
+                if not (unsent or (retry and isinstance(exc, _RETRYABLE_ERRORS))):
                     raise failure from exc
             else:
                 if response.is_success:
                     return response
                 failure = EngineError.from_response(self.url, endpoint, response)
-                if response.status_code < 500:
+                status = response.status_code
+                if status == 503:  # refused before any work (a full queue): honour Retry-After
+                    delay = _retry_after(response) or delay
+                elif status < 500 or not retry:
                     raise failure
             if attempt == attempts:
                 raise failure
-            delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
             logger.warning("%s; retry %d/%d in %.1f s", failure, attempt, attempts - 1, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the loop returns or raises")
@@ -264,11 +313,14 @@ class EngineClient:
     # -- generation -------------------------------------------------------------------------
 
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-        """POST /generate with a raw SGLang body; a batched `input_ids`/`text` answers a list."""
+        """POST /generate with a raw SGLang body; a batched `input_ids`/`text` answers a list.
+        The call's deadline: `EngineTimeouts.generate_deadline_s`."""
+        deadline_s = self.timeouts.generate_deadline_s(payload)
         async with self._generation_slots:
             response = await self._request(
-                "POST", "/generate", payload=payload, read_timeout_s=self.timeouts.generate_s
-            )
+                "POST", "/generate", payload=payload, read_timeout_s=deadline_s,
+                deadline_s=deadline_s + self.timeouts.connect_s,
+            )  # fmt: skip
         return response.json()
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -461,6 +513,15 @@ class EngineClient:
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """POST /resume_memory_occupation: take back what release_memory_occupation freed."""
         return await self._post_update("/resume_memory_occupation", _drop_none({"tags": tags}))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds of a Retry-After header (HTTP dates are not used by engines), capped."""
+    value = response.headers.get("retry-after", "")
+    try:
+        return min(max(float(value), 0.0), _MAX_RETRY_AFTER_S)
+    except ValueError:
+        return None
 
 
 def _json_or_none(text: str) -> Any:
