@@ -95,7 +95,7 @@ def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
         "--rollout-max-response-len", "16", "--rm-type", "exact_match",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2",
         "--rollout-router", "builtin", "--num-rollout", "4",
-        "--rollout-health-check-interval-s", "1", "--rollout-health-check-timeout-s", "2",
+        "--rollout-health-check-interval-s", "1", "--rollout-health-check-timeout-s", "5",
         "--output-dir", str(out), "--console", "plain", "--lr", "1e-3",
     ])  # fmt: skip
     saboteur = EngineSaboteur(checkpoint, out / "metrics.jsonl")

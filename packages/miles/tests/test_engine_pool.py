@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from miles.backends.sglang_utils.client import EngineClient
 from miles.backends.sglang_utils.router import running_router
-from miles.rollout.engine_pool import EngineLostError, EnginePool
+from miles.rollout.engine_pool import EngineLostError, EnginePool, EngineUnavailableError
 
 
 def long_request(max_new_tokens: int) -> dict:
@@ -265,3 +265,22 @@ def test_a_lost_engine_ends_its_requests_at_once_and_new_ones_go_to_the_others(
     assert served == [second_engine_url]
     assert balanced == {engine_url: 1, second_engine_url: 1}
     assert reissued == 1
+
+
+def test_while_no_engine_serves_a_request_waits_for_one_within_the_bound(engine_url):
+    async def run():
+        async with EnginePool([engine_url], fault_tolerant=True, timeout_s=1.0) as pool:
+            pool.mark_lost(engine_url, "restarting")
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailableError, match="no engine served for 1 s"):
+                await pool.generate(long_request(2))
+            waited_s = time.monotonic() - started
+            waiting = asyncio.create_task(pool.generate(long_request(2)))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            pool.admit(engine_url)  # restarted, with the weights: the request goes out now
+            return waited_s, await waiting
+
+    waited_s, answer = asyncio.run(run())
+    assert 1.0 <= waited_s < 2.0
+    assert len(answer["output_ids"]) == 2

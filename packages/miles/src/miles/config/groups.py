@@ -86,6 +86,9 @@ class EngineConfig:
     rollout_request_timeout_s: float = 3600.0
     """The longest wait for one /generate answer (or for an engine to serve again after a
     failure); past it the rollout fails naming the engine."""
+    rollout_request_timeout_per_token_s: float | None = None
+    """With it, a /generate answer's deadline is this times the request's max_new_tokens (plus
+    60 s), capped at --rollout-request-timeout-s: a hung engine fails short requests sooner."""
     sglang_server_args: list[str] | None = None
     """Further SGLang server flags as key=value (or key for a switch), passed through verbatim;
     on the command line also as `--sglang-<flag> [value]` (e.g. --sglang-context-length 8192).
@@ -107,7 +110,9 @@ class EngineConfig:
             ("--rollout-health-check-interval-s", self.rollout_health_check_interval_s),
             ("--rollout-health-check-timeout-s", self.rollout_health_check_timeout_s),
             ("--rollout-request-timeout-s", self.rollout_request_timeout_s),
-        ):
+            ("--rollout-request-timeout-per-token-s",
+             self.rollout_request_timeout_per_token_s or 1.0),
+        ):  # fmt: skip
             if not seconds > 0:
                 raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
         for item in self.sglang_server_args or []:

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,9 @@ class RolloutManager:
         self.supervisor: EngineSupervisor | None = None
         self._engine_kind = ""
         self._engine_specs: list[dict[str, Any]] = []
+        # The engines this run launches answer admin calls (weights, memory, pause, abort) only
+        # to holders of this key: the run's own clients and trainers.
+        self._admin_key = secrets.token_urlsafe(32)
         self._has_gpus = False
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
@@ -207,6 +211,7 @@ class RolloutManager:
             actor = self._engine_actor(i, has_gpus)
             devices = self.placement.engine_devices(i) if self.placement else None
             spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
+            spec["admin_api_key"] = self._admin_key
             self.engine_actors.append(actor)
             self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
@@ -219,6 +224,10 @@ class RolloutManager:
             self._start_supervisor()
         self.startup_seconds["engines"] = time.perf_counter() - start
         return list(self.engine_urls)
+
+    def engine_admin_key(self) -> str:
+        """The admin key of the engines this manager launched (for the trainers' weight pushes)."""
+        return self._admin_key
 
     def uses_fault_tolerance(self) -> bool:
         return self.fault_tolerant
@@ -258,7 +267,9 @@ class RolloutManager:
             self.engine_urls,
             router_url=router_url,
             timeout_s=self.config.engine.rollout_request_timeout_s,
+            per_token_s=self.config.engine.rollout_request_timeout_per_token_s,
             fault_tolerant=self.fault_tolerant,
+            api_key=self._admin_key,
         )
 
     # -- fault tolerance (architecture.md: "Fault tolerance") -----------------------------------

@@ -147,7 +147,8 @@ class Run:
             self.fault_tolerant = ray.get(manager.uses_fault_tolerance.remote())
             self.rollouts = EngineRollouts(manager, await_call=self._await_manager)
             if self.trainers is not None:
-                self.trainers.connect_engines(self.engine_urls)
+                admin_key = ray.get(manager.engine_admin_key.remote())
+                self.trainers.connect_engines(self.engine_urls, admin_key)
         else:
             assert training.load_debug_rollout_data, "checked by TrainingConfig"
             self.rollouts = ReplayedRollouts(training.load_debug_rollout_data, dp_size=dp_size)

@@ -69,6 +69,7 @@ class TrainRayActor(abc.ABC):
         self.trainer: PolicyTrainer | None = None
         self.weight_version = 0
         self.engine_urls: tuple[str, ...] = ()
+        self._engine_admin_key: str | None = None
         self._updater: WeightUpdater | None = None
         self._asleep = False
 
@@ -218,11 +219,13 @@ class TrainRayActor(abc.ABC):
         self._require_awake("export_hf")
         self._engine.export_hf(path)
 
-    def connect_engines(self, engine_urls: list[str]) -> None:
-        """The rollout engines the weights are pushed to. The loop starts the engines beside the
-        trainers and calls this once they answer, before the first weight update."""
+    def connect_engines(self, engine_urls: list[str], admin_api_key: str | None = None) -> None:
+        """The rollout engines the weights are pushed to, and their admin key. The loop starts
+        the engines beside the trainers and calls this once they answer, before the first
+        weight update."""
         self.close()  # a new set of engines needs a new weight-update group
         self.engine_urls = tuple(engine_urls)
+        self._engine_admin_key = admin_api_key
 
     def update_weights(self) -> None:
         """Push the weights to every engine as the next weight version (all ranks call this)."""
@@ -266,7 +269,7 @@ class TrainRayActor(abc.ABC):
             buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
             master_address=self.master_addr,
             group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
-            timeout_s=self.spec.distributed_timeout_s,
+            timeout_s=self.spec.distributed_timeout_s, api_key=self._engine_admin_key,
         )  # fmt: skip
 
     def _push(self, updater: WeightUpdater) -> None:

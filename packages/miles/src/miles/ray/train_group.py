@@ -233,9 +233,9 @@ class RayTrainGroup:
     def save_model(self, rollout_id: int) -> None:
         self.call("save_model", rollout_id)
 
-    def connect_engines(self, engine_urls: list[str]) -> None:
+    def connect_engines(self, engine_urls: list[str], admin_api_key: str | None = None) -> None:
         """The engines every rank pushes its weights to (see `TrainRayActor.connect_engines`)."""
-        self.call("connect_engines", engine_urls)
+        self.call("connect_engines", engine_urls, admin_api_key)
 
     def update_weights(self) -> None:
         self.call("update_weights")

@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 # The rollout bounds concurrency itself (--rollout-concurrency); the client's own bound per
 # engine only has to stay out of its way.
 _CLIENT_MAX_CONCURRENCY = 1024
+# After a request to an engine failed without an answer, how long its /health may take to show
+# that the engine itself is alive.
+_PROBE_AFTER_FAILURE_S = 5.0
 
 
 class EngineLostError(RuntimeError):
@@ -57,10 +60,14 @@ class EnginePool:
         *,
         router_url: str | None = None,
         timeout_s: float = 600.0,
+        per_token_s: float | None = None,
         fault_tolerant: bool = False,
+        api_key: str | None = None,
     ):
-        """`timeout_s` bounds each /generate answer, and with `fault_tolerant` also the wait for
-        an engine to serve again."""
+        """`timeout_s` bounds each /generate answer (`per_token_s`: sooner for short requests,
+        `EngineTimeouts`), and with `fault_tolerant` also the wait for an engine to serve again;
+        `api_key`: the engines' admin key, sent on every call (it also
+        opens their inference routes)."""
         if not engine_urls:
             raise ValueError(
                 "EnginePool needs at least one engine URL (control calls go to every engine, "
@@ -72,10 +79,10 @@ class EnginePool:
             raise ValueError(f"engine URLs must be distinct, got {engine_urls}")
         self.timeout_s = timeout_s
         self.fault_tolerant = fault_tolerant
-        timeouts = EngineTimeouts(generate_s=timeout_s)
+        timeouts = EngineTimeouts(generate_s=timeout_s, per_token_s=per_token_s)
         self._engines = {
             url.rstrip("/"): EngineClient(
-                url, max_concurrency=_CLIENT_MAX_CONCURRENCY, timeouts=timeouts
+                url, api_key=api_key, max_concurrency=_CLIENT_MAX_CONCURRENCY, timeouts=timeouts
             )
             for url in engine_urls
         }
@@ -197,10 +204,16 @@ class EnginePool:
         except EngineError as err:
             if err.status is not None:
                 raise  # the engine answered: a refused request is the sender's problem
-            if self._router is None:
+            # A broken connection may be the connection's fault alone: an engine that still
+            # answers /health keeps serving, and only this request is sent again.
+            if self._router is None and not await self._still_answers(target):
                 self.mark_lost(target, str(err))
             self.reissued_requests += 1
             raise EngineLostError(target, str(err)) from err
+
+    async def _still_answers(self, url: str) -> bool:
+        ok, _ = await self._engines[url].check_health(min(_PROBE_AFTER_FAILURE_S, self.timeout_s))
+        return ok
 
     # -- service state (fault tolerance) -------------------------------------------------------
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.backends.sglang_utils.server_process import ServerProcess, free_port
+from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV, ServerProcess, free_port
 from miles.backends.sglang_utils.sglang_engine import (
     SGLangEngine,
     SGLangEngineConfig,
@@ -49,6 +49,8 @@ class EngineLaunchSpec:
     visible_devices: list[str] | None = None
     """GPU ids on this node the engine drives, `num_devices` of them (its bundles' GPUs); None:
     the devices the launching process sees."""
+    admin_api_key: str | None = None
+    """The key of the engine's admin routes (weights, memory, pause, abort); None: open."""
     extra_args: dict[str, str | bool | list[str]] = field(default_factory=dict)
     """SGLang only: other server flags without dashes ({"context-length": "4096"}; True for a
     switch, a list for several values)."""
@@ -106,9 +108,13 @@ class ReferenceEngineLauncher:
     def start(self) -> str:
         if self._process is not None:
             raise RuntimeError(f"reference engine {self.url} is already started")
+        env = visible_devices_env(self.spec.visible_devices) or {}
+        if self.spec.admin_api_key:
+            # In the environment, not on the command line that every local user can read.
+            env[ADMIN_KEY_ENV] = self.spec.admin_api_key
         process = ServerProcess(
             self.command(), name=f"reference-engine-{self.port}", log_path=self.spec.log_path,
-            env=visible_devices_env(self.spec.visible_devices),
+            env=env or None,
         )  # fmt: skip
         try:
             process.wait_until_ready(f"{self.url}/health", timeout_s=self.spec.startup_timeout_s)
@@ -135,6 +141,8 @@ class SGLangEngineLauncher:
     def __init__(self, spec: EngineLaunchSpec):
         self.spec = spec
         extra = dict(spec.extra_args)
+        if spec.admin_api_key:
+            extra.setdefault("admin-api-key", spec.admin_api_key)
         if spec.max_running_requests is not None:
             extra.setdefault("max-running-requests", str(spec.max_running_requests))
         self.engine = SGLangEngine(

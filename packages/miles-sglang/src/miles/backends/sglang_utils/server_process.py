@@ -23,6 +23,11 @@ from miles.backends.sglang_utils.client import server_message
 logger = logging.getLogger(__name__)
 
 
+ADMIN_KEY_ENV = "MILES_ENGINE_ADMIN_API_KEY"
+"""Where a launched reference engine reads its --admin-api-key: in its environment, so the key
+never shows in the process list."""
+
+
 class ServerStartError(RuntimeError):
     """A server process exited or stayed unhealthy while starting; carries its last log lines."""
 

@@ -58,18 +58,19 @@ def make_weight_updater(
     group_name: str = "miles-weights",
     only: Collection[str] | None = None,
     timeout_s: float = 300.0,
+    api_key: str | None = None,
 ) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
     """The updater of one train rank: clients for the engines it feeds (`engine_urls_for_rank`),
     then the colocated transport, or a broadcast group from rank 0 on a free port of
     `master_address` over the process group's backend, whose waits `timeout_s` bounds. `only`:
     feed just these of the engines (restarted ones), each from the rank that feeds it in the full
-    set."""
+    set. `api_key`: the engines' admin key."""
     from miles.backends.sglang_utils.client import SyncEngineClient
 
     urls = engine_urls_for_rank(engine_urls, rank=rank, world_size=world_size, colocate=colocate)
     if only is not None:
         urls = [url for url in urls if url in only]
-    clients = [SyncEngineClient(url) for url in urls]
+    clients = [SyncEngineClient(url, api_key=api_key) for url in urls]
     if colocate:
         return UpdateWeightFromTensor(
             named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
