@@ -304,12 +304,16 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     async def queue_full(request: Request, err: QueueFullError):
         return _error(503, str(err), headers={"Retry-After": str(_RETRY_AFTER_S)})
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception):
-        # A JSON answer on a kept connection, never a reset: the client's pooled connection
-        # must survive for its next request.
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, f"internal error in {request.url.path}: {type(err).__name__}: {err}")
+    @app.middleware("http")
+    async def answer_every_failure(request: Request, call_next):
+        # A JSON answer on a kept connection, never a reset: the client's pooled connection must
+        # survive for its next request. (An exception handler for Exception would answer too,
+        # but Starlette re-raises after it, and the server then drops the connection.)
+        try:
+            return await call_next(request)
+        except Exception as err:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return _error(500, f"internal error in {request.url.path}: {type(err).__name__}: {err}")
 
     async def run(fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(engine.scheduler.run_command(fn))
