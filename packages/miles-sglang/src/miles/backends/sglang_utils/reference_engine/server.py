@@ -125,7 +125,9 @@ class ReferenceEngine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def parse(self, body: Any) -> ParsedGenerate:
-        """A /generate body, validated and tokenized off the event loop."""
+        """A /generate body, validated; text is tokenized off the event loop."""
+        if not (isinstance(body, dict) and body.get("text") is not None):
+            return parse_generate(body, self.tokenize, self.limits)  # token ids: nothing slow
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._tokenizer_thread, parse_generate, body, self.tokenize, self.limits
@@ -270,30 +272,62 @@ async def _until_disconnected(request: Request) -> None:
         continue
 
 
-def _authorized(presented: str | None, *keys: str | None) -> bool:
-    given = (presented or "").encode()
+def _authorized(presented: bytes | None, *keys: str | None) -> bool:
+    given = presented or b""
     # Every set key is compared, in constant time, so the answer's timing says nothing of which.
     return any([hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys if key])
+
+
+class _Guard:
+    """The keys (which route takes which key) and the last resort for failures: an exception
+    no handler answered becomes a JSON 500 on a connection that stays open (a re-raised one
+    would make the server drop it, and with it the client's pooled connection)."""
+
+    def __init__(self, app: Any, *, api_key: str | None, admin_key: str | None) -> None:
+        self.app, self.api_key, self.admin_key = app, api_key, admin_key
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        refusal = self._refusal(path, dict(scope["headers"]).get(b"authorization"))
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:
+            if started:  # half an answer is out: nothing left to do but close
+                raise
+            logger.exception("%s %s failed", scope["method"], path)
+            answer = _error(500, f"internal error in {path}: {type(err).__name__}: {err}")
+            await answer(scope, receive, send)
+
+    def _refusal(self, path: str, presented: bytes | None) -> JSONResponse | None:
+        if path in OPEN_ROUTES:
+            return None
+        if path in ADMIN_ROUTES:
+            required = (self.admin_key,) if self.admin_key else (self.api_key,)
+            what = "the admin key (--admin-api-key)" if self.admin_key else "the API key"
+        else:  # inference and info: the API key, or the admin key that outranks it
+            required = (self.api_key, self.admin_key) if self.api_key else ()
+            what = "the API key"
+        if any(required) and not _authorized(presented, *required):
+            return _error(401, f"{path} needs {what}: send 'Authorization: Bearer <key>'")
+        return None
 
 
 def create_app(engine: ReferenceEngine) -> FastAPI:
     app = FastAPI(title="miles reference engine")
     api_key, admin_key = engine.config.api_key, engine.config.admin_api_key
-
-    @app.middleware("http")
-    async def check_keys(request: Request, call_next):
-        path, presented = request.url.path, request.headers.get("authorization")
-        if path in OPEN_ROUTES:
-            return await call_next(request)
-        if path in ADMIN_ROUTES:
-            required = (admin_key,) if admin_key else (api_key,)
-            what = "the admin key (--admin-api-key)" if admin_key else "the API key"
-        else:  # inference and info: the API key, or the admin key that outranks it
-            required = (api_key, admin_key) if api_key else ()
-            what = "the API key"
-        if any(required) and not _authorized(presented, *required):
-            return _error(401, f"{path} needs {what}: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, err: InvalidRequestError):
@@ -304,16 +338,9 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     async def queue_full(request: Request, err: QueueFullError):
         return _error(503, str(err), headers={"Retry-After": str(_RETRY_AFTER_S)})
 
-    @app.middleware("http")
-    async def answer_every_failure(request: Request, call_next):
-        # A JSON answer on a kept connection, never a reset: the client's pooled connection must
-        # survive for its next request. (An exception handler for Exception would answer too,
-        # but Starlette re-raises after it, and the server then drops the connection.)
-        try:
-            return await call_next(request)
-        except Exception as err:
-            logger.exception("%s %s failed", request.method, request.url.path)
-            return _error(500, f"internal error in {request.url.path}: {type(err).__name__}: {err}")
+    # One plain ASGI layer for keys and failures: Starlette's decorator middleware costs a task
+    # group and a response stream per request, which a loaded engine feels.
+    app.add_middleware(_Guard, api_key=api_key, admin_key=admin_key)
 
     async def run(fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(engine.scheduler.run_command(fn))
