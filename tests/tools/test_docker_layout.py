@@ -2,23 +2,14 @@
 every path they copy exists or is what `nox -s build(device=...)` writes, and every wheel and
 extra they install exists in the current layout."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from tools.workspace import REPO_ROOT, packages
+from tools.workspace import REPO_ROOT, load_noxfile, packages
 
-
-def _noxfile():
-    spec = importlib.util.spec_from_file_location("noxfile", REPO_ROOT / "noxfile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-NOXFILE = _noxfile()
+NOXFILE = load_noxfile()
 DOCKERFILES = sorted((REPO_ROOT / "docker").glob("Dockerfile.*"))
 
 
@@ -68,3 +59,14 @@ def test_installed_wheels_and_extras_exist(dockerfile):
         extras = pkgs[name].pyproject["project"].get("optional-dependencies", {})
         assert extra == device and extra in extras, f"{dockerfile.name}: {name}[{extra}]"
     assert f"--constraint /wheels/{NOXFILE.CONSTRAINTS}" in " ".join(installs)
+
+
+def test_amd_smi_comes_from_the_rocm_image_not_from_pypi():
+    # The [rocm] extras pull no amdsmi (PyPI's carries no library and breaks `import ray` where
+    # ROCm is missing); the ROCm Dockerfile installs the image's own, version-matched bindings.
+    for name, package in packages().items():
+        rocm = package.pyproject["project"].get("optional-dependencies", {}).get("rocm", [])
+        assert not [r for r in rocm if r.startswith("amdsmi")], f"{name}[rocm] pulls amdsmi"
+    rocm_file = REPO_ROOT / "docker" / "Dockerfile.rocm"
+    assert any(NOXFILE.ROCM_AMDSMI in line for line in _instructions(rocm_file) if "RUN" in line)
+    assert NOXFILE.BASE_IMAGE_PROVIDES["rocm"].match("amdsmi==7.0.2")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import resource
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+
+from miles.backends.training_utils.vendor_libs import amdsmi_usable
+
+logger = logging.getLogger(__name__)
 
 DeviceKind = Literal["cpu", "cuda", "rocm", "npu"]
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
@@ -57,7 +62,17 @@ class DeviceInfo:
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    importlib.import_module("torch_npu")  # registers torch.npu
+    try:
+        importlib.import_module("torch_npu")  # registers torch.npu
+    except (ImportError, OSError) as err:
+        # torch-npu installed where the CANN libraries it links (libhccl.so, ...) are missing:
+        # not an Ascend host, or its toolkit's environment is not set.
+        logger.warning(
+            "torch_npu is installed but cannot load (%s: %s): no Ascend NPU will be used. On an "
+            "Ascend host, source the CANN toolkit's set_env.sh; elsewhere, uninstall torch-npu",
+            type(err).__name__, err,
+        )  # fmt: skip
+        return False
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
 
 
@@ -186,9 +201,11 @@ def _cpu_rss_bytes() -> int:
 
 
 def _vendor_library_available(kind: str) -> bool:
-    # torch.cuda.device_memory_used reads NVML (nvidia-ml-py) or AMD SMI (amdsmi).
-    module = {"cuda": "pynvml", "rocm": "amdsmi"}.get(kind)
-    return module is not None and importlib.util.find_spec(module) is not None
+    # torch.cuda.device_memory_used reads NVML (nvidia-ml-py) or AMD SMI (amdsmi); an amdsmi that
+    # cannot load its ROCm library counts as absent (vendor_libs says why, once).
+    if kind == "rocm":
+        return amdsmi_usable()
+    return kind == "cuda" and importlib.util.find_spec("pynvml") is not None
 
 
 def memory_report(local_rank: int = 0) -> MemoryReport:
