@@ -4,6 +4,7 @@ its process, and the failure report unwraps Ray's errors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -37,17 +38,18 @@ class _PairedReplicaActor(TrainRayActor):
         return float(data_ref == "shard-0")
 
 
-@pytest.fixture(scope="module")
-def group():
+@contextlib.contextmanager
+def train_group_of(world_size: int):
+    """A RayTrainGroup of `_FailingActor` ranks in a real placement group, on a local Ray."""
     started = not ray.is_initialized()
     init_ray(num_cpus=4, log_to_driver=False)
     plan = plan_placement(
-        actor_num_nodes=1, actor_num_gpus_per_node=4, rollout_num_gpus=None,
+        actor_num_nodes=1, actor_num_gpus_per_node=world_size, rollout_num_gpus=None,
         rollout_num_gpus_per_engine=1, colocate=True, use_gpus=False, cpus_per_bundle=0.5,
     )  # fmt: skip
     placement = create_placement(plan, timeout_s=60)
     train_group = RayTrainGroup(
-        _FailingActor, placement, world_size=4, colocate=False, has_gpus=False,
+        _FailingActor, placement, world_size=world_size, colocate=False, has_gpus=False,
         cpus_per_bundle=0.5,
     )  # fmt: skip
     try:
@@ -58,6 +60,12 @@ def group():
         remove_placement(placement)
         if started:
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group():
+    with train_group_of(4) as train_group:
+        yield train_group
 
 
 def test_ranks_of_one_replica_train_on_the_same_shard(group):
@@ -99,36 +107,16 @@ def test_a_failing_rank_is_named_with_its_process_and_its_own_error(group):
 
 
 def test_a_rank_whose_process_dies_is_named_as_dead(tmp_path):
-    started = not ray.is_initialized()
-    init_ray(num_cpus=4, log_to_driver=False)
-    plan = plan_placement(
-        actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=None,
-        rollout_num_gpus_per_engine=1, colocate=True, use_gpus=False, cpus_per_bundle=0.5,
-    )  # fmt: skip
-    placement = create_placement(plan, timeout_s=60)
-    train_group = RayTrainGroup(
-        _FailingActor, placement, world_size=2, colocate=False, has_gpus=False,
-        cpus_per_bundle=0.5,
-    )  # fmt: skip
-    try:
-        train_group.init(None, None, None)
+    with train_group_of(2) as train_group:
         pid = train_group.places[1].split()[1]
         with pytest.raises(
             TrainRankError, match=rf"^train rank 1 of 2 \(pid {pid} on node .*\) died in die_on"
         ):
             train_group.call("die_on", 1)
-        log = write_failure_log(tmp_path, RuntimeError("first"))
-        write_failure_log(tmp_path, RuntimeError("second"))
-        entries = [line for line in log.read_text().splitlines() if line.startswith("=== ")]
-        assert [e.split(": ", 1)[1] for e in entries] == [
-            "RuntimeError: first",
-            "RuntimeError: second",
-        ]
-    finally:
-        train_group.shutdown()
-        remove_placement(placement)
-        if started:
-            ray.shutdown()
+    log = write_failure_log(tmp_path, RuntimeError("first"))
+    write_failure_log(tmp_path, RuntimeError("second"))
+    entries = [line for line in log.read_text().splitlines() if line.startswith("=== ")]
+    assert [e.split(": ", 1)[1] for e in entries] == ["RuntimeError: first", "RuntimeError: second"]
 
 
 def test_describe_unwraps_a_ray_task_error_to_the_exception_raised_remotely(group):
