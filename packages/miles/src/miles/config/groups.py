@@ -86,6 +86,10 @@ class EngineConfig:
     rollout_request_timeout_s: float = 3600.0
     """The longest wait for one /generate answer (or for an engine to serve again after a
     failure); past it the rollout fails naming the engine."""
+    engine_control_timeout_s: float = 60.0
+    """The longest wait for an engine's answer to a control call (pause, abort, flush, info)."""
+    update_weights_timeout_s: float = 1800.0
+    """The longest wait for an engine's answer to one weight-update or memory call."""
     rollout_request_timeout_per_token_s: float | None = None
     """With it, a /generate answer's deadline is this times the request's max_new_tokens (plus
     60 s), capped at --rollout-request-timeout-s: a hung engine fails short requests sooner."""
@@ -110,6 +114,8 @@ class EngineConfig:
             ("--rollout-health-check-interval-s", self.rollout_health_check_interval_s),
             ("--rollout-health-check-timeout-s", self.rollout_health_check_timeout_s),
             ("--rollout-request-timeout-s", self.rollout_request_timeout_s),
+            ("--engine-control-timeout-s", self.engine_control_timeout_s),
+            ("--update-weights-timeout-s", self.update_weights_timeout_s),
             ("--rollout-request-timeout-per-token-s",
              self.rollout_request_timeout_per_token_s or 1.0),
         ):  # fmt: skip

@@ -268,6 +268,8 @@ class RolloutManager:
             router_url=router_url,
             timeout_s=self.config.engine.rollout_request_timeout_s,
             per_token_s=self.config.engine.rollout_request_timeout_per_token_s,
+            control_timeout_s=self.config.engine.engine_control_timeout_s,
+            weights_timeout_s=self.config.engine.update_weights_timeout_s,
             fault_tolerant=self.fault_tolerant,
             api_key=self._admin_key,
         )

@@ -35,6 +35,10 @@ class TrainRunSpec:
     """Directory to resume from (--load)."""
     distributed_timeout_s: float = 1800.0
     """Bound on every collective's wait (--distributed-timeout-s)."""
+    engine_control_timeout_s: float = 60.0
+    """Bound on an engine's answer to a pause or resume around a weight push."""
+    update_weights_timeout_s: float = 1800.0
+    """Bound on an engine's answer to one weight-update call (--update-weights-timeout-s)."""
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -55,4 +59,6 @@ class TrainRunSpec:
             save=config.checkpoint.save,
             load=config.checkpoint.load,
             distributed_timeout_s=training.distributed_timeout_s,
+            engine_control_timeout_s=config.engine.engine_control_timeout_s,
+            update_weights_timeout_s=config.engine.update_weights_timeout_s,
         )

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 
+from miles.backends.sglang_utils.client import EngineTimeouts
 from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
 from miles.backends.training_utils.algorithms import Algorithm
 from miles.backends.training_utils.device import dist_backend, set_device
@@ -270,6 +271,10 @@ class TrainRayActor(abc.ABC):
             master_address=self.master_addr,
             group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
             timeout_s=self.spec.distributed_timeout_s, api_key=self._engine_admin_key,
+            http_timeouts=EngineTimeouts(
+                control_s=self.spec.engine_control_timeout_s,
+                weights_s=self.spec.update_weights_timeout_s,
+            ),
         )  # fmt: skip
 
     def _push(self, updater: WeightUpdater) -> None:

@@ -61,11 +61,14 @@ class EnginePool:
         router_url: str | None = None,
         timeout_s: float = 600.0,
         per_token_s: float | None = None,
+        control_timeout_s: float = 60.0,
+        weights_timeout_s: float = 1800.0,
         fault_tolerant: bool = False,
         api_key: str | None = None,
     ):
         """`timeout_s` bounds each /generate answer (`per_token_s`: sooner for short requests,
         `EngineTimeouts`), and with `fault_tolerant` also the wait for an engine to serve again;
+        `control_timeout_s` / `weights_timeout_s` bound control and memory calls;
         `api_key`: the engines' admin key, sent on every call (it also
         opens their inference routes)."""
         if not engine_urls:
@@ -79,7 +82,10 @@ class EnginePool:
             raise ValueError(f"engine URLs must be distinct, got {engine_urls}")
         self.timeout_s = timeout_s
         self.fault_tolerant = fault_tolerant
-        timeouts = EngineTimeouts(generate_s=timeout_s, per_token_s=per_token_s)
+        timeouts = EngineTimeouts(
+            generate_s=timeout_s, per_token_s=per_token_s, control_s=control_timeout_s,
+            weights_s=weights_timeout_s,
+        )  # fmt: skip
         self._engines = {
             url.rstrip("/"): EngineClient(
                 url, api_key=api_key, max_concurrency=_CLIENT_MAX_CONCURRENCY, timeouts=timeouts

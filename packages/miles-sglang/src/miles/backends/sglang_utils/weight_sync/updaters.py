@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.backends.sglang_utils.client import EngineTimeouts
 from miles.backends.sglang_utils.weight_sync.senders import (
     DistributedWeightSender,
     TensorWeightSender,
@@ -59,18 +60,20 @@ def make_weight_updater(
     only: Collection[str] | None = None,
     timeout_s: float = 300.0,
     api_key: str | None = None,
+    http_timeouts: EngineTimeouts | None = None,
 ) -> UpdateWeightFromTensor | UpdateWeightFromDistributed:
     """The updater of one train rank: clients for the engines it feeds (`engine_urls_for_rank`),
     then the colocated transport, or a broadcast group from rank 0 on a free port of
     `master_address` over the process group's backend, whose waits `timeout_s` bounds. `only`:
     feed just these of the engines (restarted ones), each from the rank that feeds it in the full
-    set. `api_key`: the engines' admin key."""
+    set. `api_key`: the engines' admin key; `http_timeouts`: the bounds of the engine calls."""
     from miles.backends.sglang_utils.client import SyncEngineClient
 
     urls = engine_urls_for_rank(engine_urls, rank=rank, world_size=world_size, colocate=colocate)
     if only is not None:
         urls = [url for url in urls if url in only]
-    clients = [SyncEngineClient(url, api_key=api_key) for url in urls]
+    timeouts = {"timeouts": http_timeouts} if http_timeouts is not None else {}
+    clients = [SyncEngineClient(url, api_key=api_key, **timeouts) for url in urls]
     if colocate:
         return UpdateWeightFromTensor(
             named_tensors, clients, buffer_size=buffer_size, dtype=dtype,
