@@ -1,11 +1,12 @@
-"""RolloutManager end to end on real Ray: engines in their bundles, a rollout, eval, state, dispose;
-and the launch settings of each engine."""
+"""RolloutManager end to end on real Ray: engines in their bundles, locked with the run's admin
+key, a rollout, eval, state, dispose; and the launch settings of each engine."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import httpx
 import pytest
 import ray
 
@@ -58,6 +59,19 @@ def test_each_engine_gets_its_own_server(manager):
     actor, urls, *_ = manager
     assert len(urls) == 2 and len(set(urls)) == 2
     assert ray.get(actor.get_engine_urls.remote()) == urls
+
+
+def test_the_engines_of_a_run_refuse_admin_calls_without_its_key(manager):
+    actor, urls, *_ = manager
+    key = ray.get(actor.engine_admin_key.remote())
+    for url in urls:
+        assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer guessed"}
+        assert httpx.post(f"{url}/abort_request", json={}, headers=wrong).status_code == 401
+        admin = {"Authorization": f"Bearer {key}"}
+        assert httpx.post(f"{url}/flush_cache", headers=admin, timeout=30).status_code == 200
+        assert key not in httpx.get(f"{url}/get_server_info", timeout=30).text
+    assert len(key) >= 32  # secrets.token_urlsafe(32): not guessable
 
 
 def test_rollout_gives_group_normalized_shards_per_dp_rank(manager):
