@@ -157,7 +157,7 @@ def test_a_long_prompt_is_refused_before_tokenizing_and_health_stays_quick(engin
     prober.join()
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "text"
     assert "characters" in answer.json()["error"]["message"]
-    assert max(health_s) < 1.0, health_s
+    assert max(health_s) < 2.0, health_s  # it stalled 5.4 s while the prompt was tokenized
 
 
 def test_too_many_sequences_in_one_request_is_a_400(engine_url):
