@@ -5,7 +5,6 @@ counted."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -15,10 +14,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
 from miles.train import train
 from miles.utils.tracking import read_metrics
+from tests.e2e.assets import tiny_run_assets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,9 +40,7 @@ def engine_pids(checkpoint: Path) -> dict[int, int]:
 
 
 def records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path) if path.is_file() else []
 
 
 class EngineSaboteur(threading.Thread):
@@ -82,12 +79,7 @@ class EngineSaboteur(threading.Thread):
 
 
 def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
-    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt", seed=0)
-    data = tmp_path / "train.jsonl"
-    rows = [
-        {"input": f"max({a},{b})=", "label": str(max(a, b))} for a in range(4) for b in range(4)
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint, data = tiny_run_assets(tmp_path)
     out = tmp_path / "run"
     config = load_config([
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
 from miles.train import train
 from miles.utils.tracking import read_metrics
+from tests.e2e.assets import tiny_run_assets
 
 pytestmark = [
     pytest.mark.cuda,
@@ -20,12 +18,7 @@ pytestmark = [
 
 
 def test_megatron_backend_trains_saves_and_resumes_on_a_gpu(tmp_path):
-    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt", seed=0)
-    data = tmp_path / "train.jsonl"
-    rows = [
-        {"input": f"max({a},{b})=", "label": str(max(a, b))} for a in range(5) for b in range(5)
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint, data = tiny_run_assets(tmp_path, operands=5)
     flags = [
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",

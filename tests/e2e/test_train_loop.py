@@ -8,7 +8,6 @@ resumed from its last complete checkpoint, matching the uninterrupted one. The d
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 import ray
 
-from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.config import load_config
 from miles.ray.run import Run
 from miles.ray.train_group import TrainRankError
@@ -26,6 +24,7 @@ from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE
 from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
+from tests.e2e.assets import tiny_run_assets
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,13 +32,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
-    checkpoint = build_tiny_checkpoint(root / "ckpt", seed=0)
-    data = root / "train.jsonl"
-    rows = [
-        {"input": f"max({a},{b})=", "label": str(max(a, b))} for a in range(4) for b in range(4)
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    yield checkpoint, data
+    yield tiny_run_assets(root)
     if ray.is_initialized():
         ray.shutdown()
 

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
+from miles.backends.sglang_utils.server_process import file_tail
 from miles.backends.training_utils.import_path import load_function
 from miles.config.schema import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
@@ -311,14 +312,12 @@ class RolloutManager:
 
     def engine_log_tail(self, index: int, lines: int = 20) -> str:
         """The last lines of engine `index`'s log file (its output across restarts)."""
-        path = Path(self._engine_specs[index]["log_path"])
+        path = self._engine_specs[index]["log_path"]
         try:
-            with open(path, "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 32 * 1024))
-                text = f.read().decode(errors="replace")
+            text = file_tail(path, lines)
         except OSError as err:
             return f"(no log at {path}: {err})"
-        return "\n".join(f"  {line}" for line in text.splitlines()[-lines:]) or "  (empty)"
+        return "\n".join(f"  {line}" for line in text.splitlines()) or "  (empty)"
 
     def engines_awaiting_weights(self) -> list[str]:
         """Restarted engines that serve again once the trainers pushed them the weights."""

@@ -24,6 +24,7 @@ from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE
 from miles.ray.run_spec import TrainRunSpec
+from miles.utils.failures import describe
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +151,7 @@ class RayTrainGroup:
         if isinstance(err, ray.exceptions.RayActorError):
             how, cause = "died", str(err).strip().splitlines()[0]
         else:
-            how = "failed"
-            original = getattr(err, "cause", None)  # a RayTaskError keeps the rank's exception
-            original = original if isinstance(original, BaseException) else err
-            cause = f"{type(original).__name__}: {original}"
+            how, cause = "failed", describe(err)  # the rank's own exception, unwrapped
         text = (
             f"train rank {rank} of {self.world_size} ({self.places[rank]}) {how} in {what}: {cause}"
         )

@@ -28,6 +28,14 @@ ADMIN_KEY_ENV = "MILES_ENGINE_ADMIN_API_KEY"
 never shows in the process list."""
 
 
+def file_tail(path: str | Path, lines: int) -> str:
+    """The last `lines` lines of a (log) file, read from its last 64 KiB."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
 class ServerStartError(RuntimeError):
     """A server process exited or stayed unhealthy while starting; carries its last log lines."""
 
@@ -121,10 +129,7 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines the server wrote."""
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            text = f.read().decode(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return file_tail(self.log_path, lines)
 
     def wait_until_ready(self, probe_url: str, *, timeout_s: float, poll_s: float = 0.5) -> None:
         """Poll `probe_url` until it answers 2xx; fail fast if the process exits.

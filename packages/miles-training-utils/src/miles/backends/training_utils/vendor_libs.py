@@ -49,7 +49,5 @@ def disable_unusable_amdsmi() -> str | None:
 
 def amdsmi_usable() -> bool:
     """Whether `import amdsmi` works here (after `disable_unusable_amdsmi`)."""
-    disable_unusable_amdsmi()
-    return sys.modules.get("amdsmi") is not None or (
-        "amdsmi" not in sys.modules and importlib.util.find_spec("amdsmi") is not None
-    )
+    disable_unusable_amdsmi()  # imports a usable one, marks an unusable one None
+    return sys.modules.get("amdsmi") is not None

@@ -1,0 +1,22 @@
+"""What the end-to-end runs train on: a seeded tiny Qwen3 checkpoint and a prompt file of
+`max(a,b)=` questions with their answers (an exact-match reward can be earned)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+
+def tiny_run_assets(root: Path, *, operands: int = 4) -> tuple[Path, Path]:
+    """(checkpoint, prompt file) under `root`: max(a,b) for a, b in range(operands)."""
+    checkpoint = build_tiny_checkpoint(root / "ckpt", seed=0)
+    data = root / "train.jsonl"
+    rows = [
+        {"input": f"max({a},{b})=", "label": str(max(a, b))}
+        for a in range(operands)
+        for b in range(operands)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return checkpoint, data
