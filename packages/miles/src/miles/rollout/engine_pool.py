@@ -212,14 +212,15 @@ class EnginePool:
                 raise  # the engine answered: a refused request is the sender's problem
             # A broken connection may be the connection's fault alone: an engine that still
             # answers /health keeps serving, and only this request is sent again.
-            if self._router is None and not await self._still_answers(target):
+            probe_s = min(_PROBE_AFTER_FAILURE_S, self.timeout_s)
+            if self._router is None and not (await self.check_health(target, probe_s))[0]:
                 self.mark_lost(target, str(err))
             self.reissued_requests += 1
             raise EngineLostError(target, str(err)) from err
 
-    async def _still_answers(self, url: str) -> bool:
-        ok, _ = await self._engines[url].check_health(min(_PROBE_AFTER_FAILURE_S, self.timeout_s))
-        return ok
+    async def check_health(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        """Engine `url`'s /health within `timeout_s`: (answered 2xx, its answer or why not)."""
+        return await self._engines[url.rstrip("/")].check_health(timeout_s)
 
     # -- service state (fault tolerance) -------------------------------------------------------
 

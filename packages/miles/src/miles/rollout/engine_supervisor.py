@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from miles.backends.sglang_utils.client import EngineClient
 from miles.rollout.engine_pool import EnginePool, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -97,26 +96,16 @@ class EngineSupervisor:
     # -- detection --------------------------------------------------------------------------
 
     async def _check_forever(self) -> None:
-        clients = {url: EngineClient(url, max_retries=0) for url in self.urls}
-        try:
-            while True:
-                await asyncio.sleep(self.config.interval_s)
-                await self.check_now(clients)
-        finally:
-            await asyncio.gather(*(client.aclose() for client in clients.values()))
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            await self.check_now()
 
-    async def check_now(self, clients: dict[str, EngineClient] | None = None) -> list[str]:
+    async def check_now(self) -> list[str]:
         """One health check of every serving engine; the engines found dead or hung."""
-        own = clients is None
-        clients = clients or {url: EngineClient(url, max_retries=0) for url in self.urls}
         serving = [url for url in self.urls if self.states[url] is EngineState.SERVING]
-        try:
-            answers = await asyncio.gather(
-                *(clients[url].check_health(self.config.timeout_s) for url in serving)
-            )
-        finally:
-            if own:
-                await asyncio.gather(*(client.aclose() for client in clients.values()))
+        answers = await asyncio.gather(
+            *(self.pool.check_health(url, self.config.timeout_s) for url in serving)
+        )
         lost = []
         for url, (ok, answer) in zip(serving, answers, strict=True):
             if not ok and self.states[url] is EngineState.SERVING:
