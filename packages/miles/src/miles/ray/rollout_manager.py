@@ -392,7 +392,6 @@ class RolloutManager:
         shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
         metrics.update(rollout_metrics(groups))
         metrics.update(self._reward_metrics)
-        metrics.update(self.fault_metrics())
         metrics["rollout/time_s"] = time.perf_counter() - start
         return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
 

@@ -397,6 +397,8 @@ class Run:
         """Log everything measured for this rollout, then stop the run if it diverged (a
         DivergenceError); returns the metrics."""
         assert self.tracker is not None
+        if self.fault_tolerant:  # counted now: a restart during this rollout's update counts too
+            metrics = {**metrics, **ray.get(self.rollout_manager.fault_metrics.remote())}
         self.tracker.log(metrics, step=rollout_id)
         if self.console is not None:
             self.console.record(rollout_id, metrics)
