@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,6 +128,32 @@ def test_single_rank_group_forms_alone_and_refuses_use_after_destroy():
     group.destroy()  # idempotent
     with pytest.raises(RuntimeError, match="was destroyed"):
         group.broadcast(torch.zeros(2))
+
+
+def _listening_addresses(port: int) -> list[str]:
+    return sorted(
+        c.laddr.ip
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    )
+
+
+def test_rank_0_serves_the_rendezvous_on_the_given_address_only():
+    # TCPStore's own master would listen on every interface, opening a loopback run's rendezvous.
+    port = free_port()
+    group = create_weight_update_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
+        group_name="loopback-only", backend="gloo", timeout_s=10,
+    )  # fmt: skip
+    try:
+        assert _listening_addresses(port) == ["127.0.0.1"]
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port} .*free port"):
+            create_weight_update_group(
+                master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
+                group_name="same-port", backend="gloo", timeout_s=10,
+            )  # fmt: skip
+    finally:
+        group.destroy()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -86,9 +87,7 @@ def create_weight_update_group(
         "joining weight update group %r as rank %d of %d (%s, store %s:%d, timeout %.0f s)",
         group_name, rank, world_size, backend, master_address, master_port, timeout_s,
     )  # fmt: skip
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
+    store = _rendezvous_store(master_address, master_port, world_size, rank, timeout)
     prefixed = _backend_store(store, group_name, backend)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -97,6 +96,40 @@ def create_weight_update_group(
     return WeightUpdateGroup(
         store=store, backend=pg, rank=rank, world_size=world_size, name=group_name
     )
+
+
+def _rendezvous_store(
+    address: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """The group's TCPStore: rank 0 serves it on `address` only, the others connect to it.
+
+    TCPStore's own master listens on every interface; a loopback run's rendezvous would be open to
+    the network. So rank 0 binds the listening socket itself and hands it over.
+    """
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    listener = _listen_on(address, port)
+    # The store's server takes the socket over and closes it, also when the rendezvous fails.
+    return dist.TCPStore(
+        address, port, world_size, is_master=True, timeout=timeout,
+        master_listen_fd=listener.detach(), use_libuv=True,
+    )  # fmt: skip
+
+
+def _listen_on(address: str, port: int) -> socket.socket:
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as err:
+        listener.close()
+        raise RuntimeError(
+            f"the weight update group cannot listen on {address}:{port} ({err}); pass an address "
+            "of this host and a free port"
+        ) from err
+    return listener
 
 
 def _backend_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
