@@ -292,9 +292,9 @@ def test_a_generate_deadline_follows_its_token_budget():
     assert timeouts.generate_deadline_s(batch) == 15.0  # the longest sequence of the batch
     assert timeouts.generate_deadline_s({}) == 5.0 + 0.5 * 128  # SGLang's default budget
     assert timeouts.generate_deadline_s({"sampling_params": {"max_new_tokens": 10**6}}) == 600.0
-    assert (
-        EngineTimeouts().generate_deadline_s({"sampling_params": {"max_new_tokens": 1}}) == 3600.0
-    )
+    assert EngineTimeouts().generate_deadline_s({"sampling_params": {"max_new_tokens": 8}}) == 68.0
+    unbounded = EngineTimeouts(per_token_s=None)
+    assert unbounded.generate_deadline_s({"sampling_params": {"max_new_tokens": 8}}) == 3600.0
 
 
 def test_concurrency_limit_bounds_generations_in_flight(engine):

@@ -233,6 +233,11 @@ def test_load_defaults_to_save_and_paths_become_absolute():
         (["--custom-rm-path", "m:f"], "--custom-rm-path"),
         (["--rm-type", "remote"], "--rm-url"),
         (["--rm-type", "maths"], "math"),
+        (
+            ["--distributed-timeout-s", "600", "--train-call-timeout-s", "600"],
+            r"--train-call-timeout-s \(600.0\) must exceed --distributed-timeout-s \(600.0\)",
+        ),
+        (["--rollout-manager-timeout-s", "0"], "--rollout-manager-timeout-s must be a positive"),
     ],
 )
 def test_invalid_combinations_name_the_flags(flags, message):

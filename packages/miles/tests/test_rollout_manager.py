@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ from miles.config import load_config
 from miles.ray.cluster import init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
 from miles.ray.rollout_manager import RolloutManager, engine_launch_spec
+from miles.ray.run import RolloutManagerTimeoutError, Run
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 
 GROUP = 2
@@ -130,6 +133,36 @@ def test_dispose_stops_every_engine(manager):  # last: it ends the shared manage
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
     ray.get(actor.dispose.remote(), timeout=120)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_hung_manager_is_named_by_the_driver_within_its_bound(
+    manager, tiny_checkpoint, prompt_file, tmp_path
+):
+    # A manager of its own (stopping the shared one would hang the tests after this one).
+    hung_config = load_config([
+        "--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", str(prompt_file),
+        "--rollout-batch-size", "2", "--rm-type", "exact_match", "--output-dir", str(tmp_path),
+        "--rollout-manager-timeout-s", "1.5",
+    ])  # fmt: skip
+    actor = ray.remote(RolloutManager).options(num_cpus=0).remote(hung_config, None, dp_size=1)
+    run = Run(hung_config)
+    run.rollout_manager, run._manager_place = actor, actor.where.remote()
+    pid = int(ray.get(run._manager_place, timeout=60).split()[1])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(
+            RolloutManagerTimeoutError,
+            match=rf"^the rollout manager \(pid {pid} on node .*\) did not answer a liveness "
+            r"check within --rollout-manager-timeout-s 1.5 s: it is hung",
+        ):
+            run._await_manager(actor.generate.remote(0))  # waits as on a rollout
+        assert time.monotonic() - start < 6.0  # 1 s poll + 1.5 s bound + naming it, loaded CI
+        with pytest.raises(RolloutManagerTimeoutError, match=r"did not answer save within .* \+ "):
+            run._from_manager(actor.save.remote(0), "save", engine_wait_s=0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(actor)
 
 
 def _alive(pid: int) -> bool:

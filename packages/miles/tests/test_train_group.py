@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 import ray
@@ -87,6 +88,11 @@ class _FailingActor(_PairedReplicaActor):
             raise ValueError(f"rank {rank} was told to fail")
         return self.rank
 
+    def hang_on(self, rank: int, seconds: float) -> int:
+        if self.rank == rank:
+            time.sleep(seconds)  # stuck in its own computation: no collective for peers to fail
+        return self.rank
+
     def die_on(self, rank: int) -> int:
         if self.rank == rank:
             os._exit(3)  # the process ends, as after SIGKILL or an out-of-memory kill
@@ -117,6 +123,23 @@ def test_a_rank_whose_process_dies_is_named_as_dead(tmp_path):
     write_failure_log(tmp_path, RuntimeError("second"))
     entries = [line for line in log.read_text().splitlines() if line.startswith("=== ")]
     assert [e.split(": ", 1)[1] for e in entries] == ["RuntimeError: first", "RuntimeError: second"]
+
+
+def test_a_rank_hung_outside_any_collective_is_named_within_the_call_bound():
+    with train_group_of(2) as train_group:
+        train_group.call_timeout_s = 1.5  # after start-up, which takes longer on a loaded machine
+        pid = train_group.places[1].split()[1]
+        start = time.monotonic()
+        with pytest.raises(
+            TrainRankError,
+            match=rf"^no answer to hang_on within 1.5 s \(--train-call-timeout-s\) from train "
+            rf"rank 1 \(pid {pid} on node ",
+        ):
+            train_group.call("hang_on", 1, 300.0)
+        assert time.monotonic() - start < 5.0
+        start = time.monotonic()
+    # The hung rank is killed, not waited for (closing waits up to 60 s for a rank's answer).
+    assert time.monotonic() - start < 30.0
 
 
 def test_describe_unwraps_a_ray_task_error_to_the_exception_raised_remotely(group):

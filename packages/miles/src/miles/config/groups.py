@@ -90,9 +90,15 @@ class EngineConfig:
     """The longest wait for an engine's answer to a control call (pause, abort, flush, info)."""
     update_weights_timeout_s: float = 1800.0
     """The longest wait for an engine's answer to one weight-update or memory call."""
-    rollout_request_timeout_per_token_s: float | None = None
-    """With it, a /generate answer's deadline is this times the request's max_new_tokens (plus
-    60 s), capped at --rollout-request-timeout-s: a hung engine fails short requests sooner."""
+    rollout_manager_timeout_s: float = 600.0
+    """The longest the driver waits for the rollout manager to answer a call, beyond the engine
+    waits the call makes (each bounded by its own flag). While a rollout runs, the driver asks
+    every second whether the manager is alive, within this bound. Past it the run stops,
+    naming the manager's process."""
+    rollout_request_timeout_per_token_s: float | None = 1.0
+    """A /generate answer's deadline: this times the request's max_new_tokens plus
+    --engine-control-timeout-s, capped at --rollout-request-timeout-s, so a hung engine fails a
+    short request in a minute, not an hour. none: --rollout-request-timeout-s for every request."""
     sglang_server_args: list[str] | None = None
     """Further SGLang server flags as key=value (or key for a switch), passed through verbatim;
     on the command line also as `--sglang-<flag> [value]` (e.g. --sglang-context-length 8192).
@@ -116,6 +122,7 @@ class EngineConfig:
             ("--rollout-request-timeout-s", self.rollout_request_timeout_s),
             ("--engine-control-timeout-s", self.engine_control_timeout_s),
             ("--update-weights-timeout-s", self.update_weights_timeout_s),
+            ("--rollout-manager-timeout-s", self.rollout_manager_timeout_s),
             ("--rollout-request-timeout-per-token-s",
              self.rollout_request_timeout_per_token_s or 1.0),
         ):  # fmt: skip
@@ -179,6 +186,11 @@ class TrainingConfig:
     distributed_timeout_s: float = 1800.0
     """The longest a train rank waits in a collective for its peers; past it the rank fails and
     the run stops, naming the ranks that did not answer."""
+    train_call_timeout_s: float = 3600.0
+    """The longest the driver waits for every train rank to answer one call (start-up, a
+    rollout's train steps, a weight update, a save); past it the run stops naming the ranks that
+    did not answer. It finds a rank hung outside any collective, so it must exceed
+    --distributed-timeout-s (a rank hung inside one is named by its peers first)."""
 
     def __post_init__(self) -> None:
         _at_least(self.global_batch_size, 1, "--global-batch-size")
@@ -188,6 +200,12 @@ class TrainingConfig:
             raise ValueError(
                 f"--distributed-timeout-s must be a positive number of seconds, got "
                 f"{self.distributed_timeout_s}"
+            )
+        if not self.train_call_timeout_s > self.distributed_timeout_s:
+            raise ValueError(
+                f"--train-call-timeout-s ({self.train_call_timeout_s}) must exceed "
+                f"--distributed-timeout-s ({self.distributed_timeout_s}): a rank hung in a "
+                "collective is named by its peers once the latter passes; raise the former"
             )
         _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
         _at_least(self.num_rollout, 1, "--num-rollout")

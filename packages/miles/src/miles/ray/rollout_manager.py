@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import secrets
 import time
 from pathlib import Path
@@ -225,6 +226,10 @@ class RolloutManager:
             self._start_supervisor()
         self.startup_seconds["engines"] = time.perf_counter() - start
         return list(self.engine_urls)
+
+    def where(self) -> str:
+        """ "pid P on node A": where this manager runs (for messages about it)."""
+        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
 
     def engine_admin_key(self) -> str:
         """The admin key of the engines this manager launched (for the trainers' weight pushes)."""

@@ -48,6 +48,10 @@ class WeightSyncMismatchError(RuntimeError):
     """Trainer and engine disagree on log-probs after a weight update (the step-0 check)."""
 
 
+class RolloutManagerTimeoutError(RuntimeError):
+    """The rollout manager did not answer a call within its bound: its process is hung."""
+
+
 class Run:
     def __init__(self, config: MilesConfig):
         self.config = config
@@ -62,6 +66,7 @@ class Run:
         self.start_rollout_id = 0
         self.num_rollout = 0
         self.fault_tolerant = False  # the rollout manager restarts lost engines
+        self._manager_place: Any = None  # the manager's `where()`, once asked
         # The step-0 check compares with the engine's log-probs: a loss on given data (SFT) has
         # none to compare with, and a run without engines (replayed rollouts) nothing to check.
         self._weight_sync_to_check = (
@@ -108,6 +113,7 @@ class Run:
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         manager = manager_class.remote(config, self.placement, dp_size=dp_size)
         self.rollout_manager = manager
+        self._manager_place = manager.where.remote()  # read only to name a hung manager
         engines = None if training.debug_train_only else manager.start_engines.remote()
         dataset_size = manager.load_data.remote()
         train = not training.debug_rollout_only
@@ -125,11 +131,18 @@ class Run:
                 colocate=cluster.colocate,
                 has_gpus=has_gpus,
                 cpus_per_bundle=cluster.cpus_per_bundle,
+                call_timeout_s=training.train_call_timeout_s,
             )
-        self.num_rollout = config.resolve_num_rollout(ray.get(dataset_size))
+        self.num_rollout = config.resolve_num_rollout(self._from_manager(dataset_size, "load_data"))
         if share_devices:
-            self.engine_urls = ray.get(engines)
-            ray.get(manager.offload.remote())
+            self.engine_urls = self._from_manager(
+                engines, "start_engines", engine_wait_s=self.config.engine.engine_startup_timeout_s
+            )
+            self._from_manager(
+                manager.offload.remote(),
+                "offload",
+                engine_wait_s=self.config.engine.update_weights_timeout_s,
+            )
         if self.trainers is not None:
             spec = TrainRunSpec.from_config(config, num_rollout=self.num_rollout)
             assert config.backend is not None, "the schema adds the chosen backend's group"
@@ -143,18 +156,24 @@ class Run:
                 )
         if engines is not None:
             if not self.engine_urls:  # colocated runs waited for them before the trainers built
-                self.engine_urls = ray.get(engines)
-            self.fault_tolerant = ray.get(manager.uses_fault_tolerance.remote())
+                self.engine_urls = self._from_manager(
+                    engines,
+                    "start_engines",
+                    engine_wait_s=self.config.engine.engine_startup_timeout_s,
+                )
+            self.fault_tolerant = self._from_manager(
+                manager.uses_fault_tolerance.remote(), "uses_fault_tolerance"
+            )
             self.rollouts = EngineRollouts(manager, await_call=self._await_manager)
             if self.trainers is not None:
-                admin_key = ray.get(manager.engine_admin_key.remote())
+                admin_key = self._from_manager(manager.engine_admin_key.remote(), "admin key")
                 self.trainers.connect_engines(self.engine_urls, admin_key)
         else:
             assert training.load_debug_rollout_data, "checked by TrainingConfig"
             self.rollouts = ReplayedRollouts(training.load_debug_rollout_data, dp_size=dp_size)
         if share_devices:
             self.offload_trainer_and_onload_engines()
-        clock.record(ray.get(manager.get_startup_seconds.remote()))
+        clock.record(self._from_manager(manager.get_startup_seconds.remote(), "startup seconds"))
         self._resume_rollout_state()
         self.tracker = Tracker(
             config.logging.output_dir,
@@ -176,7 +195,7 @@ class Run:
 
     def _resume_rollout_state(self) -> None:
         """The rollout manager's data-source state from --load, checked against the trainer's."""
-        resumed = ray.get(self.rollout_manager.load.remote())
+        resumed = self._from_manager(self.rollout_manager.load.remote(), "load")
         if self.trainers is not None and resumed is not None:
             if resumed + 1 != self.start_rollout_id:
                 raise RuntimeError(
@@ -200,16 +219,43 @@ class Run:
         init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
         return ray.cluster_resources().get("GPU", 0) > 0
 
-    # -- engine recovery (architecture.md: "Fault tolerance") -----------------------------------
+    # -- bounded waits on the rollout manager (docs/reliability.md) ------------------------------
+
+    def _from_manager(self, call: Any, what: str, *, engine_wait_s: float = 0.0) -> Any:
+        """The result of a rollout-manager call, within --rollout-manager-timeout-s plus
+        `engine_wait_s`, the bound of the engine waits the call makes."""
+        own_s = self.config.engine.rollout_manager_timeout_s
+        try:
+            return ray.get(call, timeout=own_s + engine_wait_s)
+        except ray.exceptions.GetTimeoutError:
+            bound = f"--rollout-manager-timeout-s {own_s:g} s"
+            if engine_wait_s:
+                bound += f" + {engine_wait_s:g} s for its engine waits"
+            raise RolloutManagerTimeoutError(
+                f"the rollout manager ({self._manager_where()}) did not answer {what} within "
+                f"{bound}: it is hung; its log is in the Ray session's logs (worker-*.err)"
+            ) from None
+
+    def _manager_where(self) -> str:
+        try:
+            return ray.get(self._manager_place, timeout=1.0)
+        except Exception:  # asked before it started, or it is the hung one: say what we know
+            return "its process"
 
     def _await_manager(self, call: Any) -> Any:
-        """The result of a rollout-manager call. With fault tolerance, engines restarted while
-        it runs get the current weights meanwhile (a rollout may need them to finish)."""
-        if not self.fault_tolerant:
-            return ray.get(call)
+        """The result of a long rollout-manager call (a rollout, an evaluation), bounded by the
+        engine requests it makes. Every second the manager must show it is alive, within
+        --rollout-manager-timeout-s; with fault tolerance, engines restarted meanwhile get the
+        current weights (a rollout may need them to finish)."""
         while not ray.wait([call], timeout=_RESTORE_POLL_S)[0]:
-            self._restore_engines(ray.get(self.rollout_manager.engines_awaiting_weights.remote()))
+            restarted = self._from_manager(
+                self.rollout_manager.engines_awaiting_weights.remote(), "a liveness check"
+            )
+            if self.fault_tolerant:
+                self._restore_engines(restarted)
         return ray.get(call)
+
+    # -- engine recovery (architecture.md: "Fault tolerance") -----------------------------------
 
     def _restore_engines(self, urls: list[str], *, push_to: list[str] | None = None) -> None:
         """Push the current weights to `push_to` (default: `urls`), then admit the restarted
@@ -219,7 +265,10 @@ class Run:
         version = None
         if self.trainers is not None:
             version = self.trainers.restore_engines(push_to or urls)
-        ray.get(self.rollout_manager.admit_engines.remote(urls, version))
+        self._from_manager(
+            self.rollout_manager.admit_engines.remote(urls, version), "admit_engines",
+            engine_wait_s=self.config.engine.engine_control_timeout_s,
+        )  # fmt: skip
         logger.info("engines %s restored at weight version %s", urls, version)
 
     def close(self) -> None:
@@ -327,20 +376,28 @@ class Run:
         self._phase("save", rollout_id)
         start = time.perf_counter()
         # The rollout state first: the trainer's save writes the pointer that completes it.
-        ray.get(self.rollout_manager.save.remote(rollout_id))
+        self._from_manager(self.rollout_manager.save.remote(rollout_id), "save")
         self.trainers.save_model(rollout_id)
         return {"time/save_s": time.perf_counter() - start}
 
     def offload_engines(self) -> None:
         self._phase("offload engines")
-        ray.get(self.rollout_manager.offload.remote())
+        self._from_manager(
+            self.rollout_manager.offload.remote(),
+            "offload",
+            engine_wait_s=self.config.engine.update_weights_timeout_s,
+        )
         if self.trainers is not None:
             self.trainers.wake_up()
 
     def offload_trainer_and_onload_engines(self) -> None:
         if self.trainers is not None:
             self.trainers.sleep()
-        ray.get(self.rollout_manager.onload.remote())
+        self._from_manager(
+            self.rollout_manager.onload.remote(),
+            "onload",
+            engine_wait_s=self.config.engine.update_weights_timeout_s,
+        )
 
     def update_weights(self) -> dict[str, float]:
         if self.trainers is None or not self.engine_urls:
@@ -351,11 +408,11 @@ class Run:
             self.trainers.update_weights()
             return {"time/update_weights_s": time.perf_counter() - start}
         # Engines lost since the last rollout are back (or the run stops) before the push.
-        self._restore_engines(ray.get(self.rollout_manager.recover_engines.remote()))
+        self._restore_engines(self._recover_engines())
         try:
             self.trainers.update_weights()
         except Exception as err:
-            lost = ray.get(self.rollout_manager.recover_engines.remote())
+            lost = self._recover_engines()
             if not lost:
                 raise  # every engine answers: not an engine's failure
             # The failed push may have reached some engines in part: every engine gets the
@@ -364,6 +421,12 @@ class Run:
                            lost, err)  # fmt: skip
             self._restore_engines(lost, push_to=list(self.engine_urls))
         return {"time/update_weights_s": time.perf_counter() - start}
+
+    def _recover_engines(self) -> list[str]:
+        call = self.rollout_manager.recover_engines.remote()
+        return self._from_manager(
+            call, "recover_engines", engine_wait_s=self.config.engine.engine_startup_timeout_s
+        )
 
     def evaluate_before_training(self) -> None:
         """Evaluate the starting weights and log them as rollout -1 (not on resume: the run
@@ -398,7 +461,10 @@ class Run:
         DivergenceError); returns the metrics."""
         assert self.tracker is not None
         if self.fault_tolerant:  # counted now: a restart during this rollout's update counts too
-            metrics = {**metrics, **ray.get(self.rollout_manager.fault_metrics.remote())}
+            fault_metrics = self._from_manager(
+                self.rollout_manager.fault_metrics.remote(), "fault_metrics"
+            )
+            metrics = {**metrics, **fault_metrics}
         self.tracker.log(metrics, step=rollout_id)
         if self.console is not None:
             self.console.record(rollout_id, metrics)

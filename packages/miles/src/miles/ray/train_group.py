@@ -89,7 +89,14 @@ class RayTrainGroup:
         colocate: bool,
         has_gpus: bool,
         cpus_per_bundle: float = 1.0,
+        call_timeout_s: float = 3600.0,
     ):
+        """`call_timeout_s` bounds the wait for every rank's answer to one call
+        (--train-call-timeout-s)."""
+        if not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be positive, got {call_timeout_s}")
+        self.call_timeout_s = call_timeout_s
+        self._hung: set[int] = set()  # ranks that did not answer within the bound: killed at once
         share = COLOCATED_TRAIN_SHARE if colocate else 1.0
         master_addr, master_port = ray.get(
             _master_address.options(scheduling_strategy=placement.actor_scheduling(0)).remote()
@@ -122,13 +129,14 @@ class RayTrainGroup:
     def _gather(self, calls: list[ray.ObjectRef], what: str) -> list[Any]:
         """The results of one call per rank, in rank order. The first failure stops the wait:
         it is raised as a TrainRankError naming the rank, preferring a rank whose process died
-        (its peers only fail after it), and the ranks that never answered."""
+        (its peers only fail after it), and the ranks that never answered. Ranks that have not
+        answered within `call_timeout_s` are a TrainRankError naming them."""
         pending = {call: rank for rank, call in enumerate(calls)}
         results: dict[int, Any] = {}
         failures: dict[int, BaseException] = {}
-        deadline = None
-        while pending and (deadline is None or time.monotonic() < deadline):
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        deadline = time.monotonic() + self.call_timeout_s
+        while pending and time.monotonic() < deadline:
+            timeout = max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
             for call in ready:
                 rank = pending.pop(call)
@@ -136,7 +144,16 @@ class RayTrainGroup:
                     results[rank] = ray.get(call)
                 except Exception as err:
                     failures[rank] = err
-                    deadline = deadline or time.monotonic() + _FAILURE_GRACE_S
+                    if len(failures) == 1:
+                        deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+        if not failures and pending:
+            self._hung.update(pending.values())
+            silent = ", ".join(f"rank {r} ({self.places[r]})" for r in sorted(pending.values()))
+            raise TrainRankError(
+                f"no answer to {what} within {self.call_timeout_s:g} s (--train-call-timeout-s) "
+                f"from train {silent}; a rank is hung outside any collective, or the call needs "
+                "more time: raise --train-call-timeout-s"
+            )
         if not failures:
             return [results[rank] for rank in range(len(calls))]
         died = [
@@ -169,11 +186,12 @@ class RayTrainGroup:
         with_ref: bool = False,
     ) -> int:
         """Build every rank; returns the rollout id to start from (the same on every rank)."""
+        # Where each rank runs, first: a failure or a hang in init then names its process.
+        self.places = self._gather([actor.where.remote() for actor in self.actors], "start-up")
         calls = [
             actor.init.remote(spec, loss, backend, role=role, with_ref=with_ref)
             for actor in self.actors
         ]
-        self.places = self._gather([actor.where.remote() for actor in self.actors], "start-up")
         starts = self._gather(calls, "init")
         if len(set(starts)) != 1:
             raise RuntimeError(
@@ -191,7 +209,7 @@ class RayTrainGroup:
 
     def startup_seconds(self) -> dict[str, float]:
         """Rank 0's import and build times, measured in its process (`TrainRank`)."""
-        return ray.get(self.actors[0].get_startup_seconds.remote())
+        return ray.get(self.actors[0].get_startup_seconds.remote(), timeout=self.call_timeout_s)
 
     @property
     def dp_size(self) -> int:
@@ -252,12 +270,14 @@ class RayTrainGroup:
         self.call("export_hf", path)
 
     def node_ids(self) -> list[str]:
-        return ray.get([a.__ray_call__.remote(lambda self: _node_id()) for a in self.actors])
+        calls = [a.__ray_call__.remote(lambda self: _node_id()) for a in self.actors]
+        return self._gather(calls, "node_ids")
 
     def shutdown(self) -> None:
         """Release each rank's resources (engine clients, groups), then end the actors."""
+        live = [a for rank, a in enumerate(self.actors) if rank not in self._hung]
         try:
-            ray.get(self._all("close"), timeout=60)
+            ray.get([actor.call.remote("close") for actor in live], timeout=60)
         except Exception as exc:  # a dead rank must not keep the others alive
             logger.warning("closing the train group: %s", exc)
         for actor in self.actors:

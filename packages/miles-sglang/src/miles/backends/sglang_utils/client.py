@@ -112,9 +112,10 @@ class EngineTimeouts:
     """Health, info, cache, pause and abort calls (SGLang's /health_generate may take 20 s)."""
     generate_s: float = 3600.0
     """The whole /generate call: a long rollout streams nothing until it ends."""
-    per_token_s: float | None = None
-    """With it, a /generate call's deadline is this times its max_new_tokens (plus the control
-    bound), capped at `generate_s`: a short request to a hung engine fails in seconds."""
+    per_token_s: float | None = 1.0
+    """A /generate call's deadline is this times its max_new_tokens plus the control bound,
+    capped at `generate_s`: a short request to a hung engine fails in a minute, not an hour.
+    None: `generate_s` for every request."""
     weights_s: float = 1800.0
     """Weight updates and memory release/resume: loading a large model takes minutes."""
 
