@@ -153,7 +153,7 @@ def _bundle_gpu_ids(group: PlacementGroup, num_bundles: int) -> list[str]:
         ).remote()
         for i in range(num_bundles)
     ]
-    ids = ray.get(probes)
+    ids = ray.get(probes, timeout=120)  # a one-line task per bundle, already placed
     assert all(len(found) == 1 for found in ids), f"bundles of one GPU reported GPU ids {ids}"
     return [found[0] for found in ids]
 

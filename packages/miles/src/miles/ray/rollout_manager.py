@@ -41,6 +41,7 @@ from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
+from miles.utils.failures import describe
 from miles.utils.hf_config import hf_config_value
 from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
 
@@ -218,7 +219,9 @@ class RolloutManager:
             self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
-        self.engine_urls = list(await asyncio.gather(*starts))
+        self.engine_urls = list(
+            await asyncio.wait_for(asyncio.gather(*starts), self._engine_start_bound_s)
+        )
         for spec, url in zip(self._engine_specs, self.engine_urls, strict=True):
             spec["port"] = int(url.rsplit(":", 1)[1])  # a restart keeps the engine's URL
         self._start_balancing()
@@ -313,7 +316,16 @@ class RolloutManager:
             ray.kill(actor)
             actor = self._engine_actor(index, self._has_gpus)
             self.engine_actors[index] = actor
-        await actor.start.remote(self._engine_kind, self._engine_specs[index])
+        await asyncio.wait_for(
+            actor.start.remote(self._engine_kind, self._engine_specs[index]),
+            self._engine_start_bound_s,
+        )
+
+    @property
+    def _engine_start_bound_s(self) -> float:
+        """An engine actor's start waits at most --engine-startup-timeout-s for its server; a
+        minute more covers the actor itself (launching the process, reporting the URL)."""
+        return self.config.engine.engine_startup_timeout_s + 60.0
 
     def engine_log_tail(self, index: int, lines: int = 20) -> str:
         """The last lines of engine `index`'s log file (its output across restarts)."""
@@ -516,7 +528,11 @@ class RolloutManager:
             self.router.shutdown()
             self.router = None
         if self.engine_actors:
-            await asyncio.gather(*[actor.shutdown.remote() for actor in self.engine_actors])
+            stops = asyncio.gather(*[actor.shutdown.remote() for actor in self.engine_actors])
+            try:
+                await asyncio.wait_for(stops, 60)
+            except Exception as err:  # a hung or dead actor: killed below with the rest
+                logger.warning("stopping the engines: %s", describe(err))
             for actor in self.engine_actors:
                 ray.kill(actor)
             self.engine_actors = []

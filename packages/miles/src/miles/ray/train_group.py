@@ -99,7 +99,8 @@ class RayTrainGroup:
         self._hung: set[int] = set()  # ranks that did not answer within the bound: killed at once
         share = COLOCATED_TRAIN_SHARE if colocate else 1.0
         master_addr, master_port = ray.get(
-            _master_address.options(scheduling_strategy=placement.actor_scheduling(0)).remote()
+            _master_address.options(scheduling_strategy=placement.actor_scheduling(0)).remote(),
+            timeout=call_timeout_s,
         )
         remote_class = ray.remote(TrainRank)
         self.actors = [
