@@ -9,7 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
+from miles.backends.sglang_utils.reference_engine.model_runner import (
+    ModelRunner,
+    _append,
+    merge_states,
+    select_rows,
+)
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request, Scheduler
 
@@ -74,3 +79,55 @@ def test_a_group_admitted_together_reports_its_shared_prompt_as_cached_tokens(ru
         assert group[0].output_ids == group[1].output_ids == group[2].output_ids  # greedy
     finally:
         scheduler.shutdown()
+
+
+def test_a_continuous_batch_decodes_each_row_as_its_own_full_forward_in_float64(tiny_checkpoint):
+    # The running batch: left padding, grouped KV heads without copies, KV appended in place
+    # (past the first buffer's room), a row leaving and a row joining midway. Each row's logits
+    # must equal a full forward over that row's tokens alone, without a cache or padding (with
+    # stock "sdpa": "eager" takes its softmax in float32).
+    runner = ModelRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64),
+        torch.device("cpu"),
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint, dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
+    assert runner.model.config._attn_implementation == "miles_grouped_sdpa"
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    def check(logits: torch.Tensor, rows: list[list[int]]) -> None:
+        for row, sequence in enumerate(rows):
+            with torch.no_grad():
+                expected = reference(input_ids=torch.tensor([sequence])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, rtol=1e-9, atol=1e-9)
+
+    rows = [tokens(3), tokens(9), tokens(5)]
+    logits, state = runner.prefill(rows)
+    check(logits, rows)
+    for step in range(50):
+        if step == 10:  # the middle row finishes
+            rows.pop(1)
+            state = select_rows(state, [0, 2])
+        if step == 20:  # a new request joins with its own prefill
+            joining = [tokens(12)]
+            _, joined = runner.prefill(joining)
+            state = merge_states(state, joined)
+            rows += joining
+        fed = tokens(len(rows))
+        logits, state = runner.decode(state, fed)
+        rows = [[*sequence, token] for sequence, token in zip(rows, fed, strict=True)]
+        check(logits, rows)
+
+
+def test_a_decode_step_appends_in_place_while_its_buffer_has_room():
+    cached = torch.randn(2, 3, 4, 5)
+    first = _append(cached, torch.randn(2, 3, 1, 5))  # a new buffer with room
+    second = _append(first, torch.randn(2, 3, 1, 5))
+    assert second.data_ptr() == first.data_ptr() and second.shape == (2, 3, 6, 5)
+    torch.testing.assert_close(second[:, :, :4], cached)
+    torch.testing.assert_close(second[:, :, 4], first[:, :, 4])

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from miles.backends.sglang_utils.reference_engine.attention import use_grouped_sdpa
 
 
 @dataclass
@@ -40,6 +43,48 @@ def _left_pad(t: Tensor, target: int, dim: int) -> Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _append(cached: Tensor, new: Tensor) -> Tensor:
+    """`cached` (B, H, L, D) followed by `new` (B, H, n, D) along the sequence.
+
+    Written in place when `cached` is the front of a buffer with room (its strides say how much:
+    a buffer of C positions has stride C * D on the head dim), else into a new buffer with room
+    for the next steps: a decode step then copies one token per row, not the whole cache.
+    """
+    batch, heads, length, dim = cached.shape
+    grown = length + new.shape[2]
+    capacity = cached.stride(1) // dim if cached.stride(2) == dim and cached.stride(3) == 1 else 0
+    if not (
+        capacity >= grown
+        and cached.stride(0) == heads * capacity * dim
+        and cached.storage_offset() == 0
+    ):
+        room = max(_MIN_ROOM, length // 2)  # amortized: one whole copy per length/2 steps
+        buffer = cached.new_empty(batch, heads, grown + room, dim)
+        buffer[:, :, :length] = cached
+        cached = buffer[:, :, :length]
+    out = cached.as_strided((batch, heads, grown, dim), cached.stride())
+    out[:, :, length:] = new
+    return out
+
+
+# Positions a grown KV buffer keeps free at least (a few decode steps' worth).
+_MIN_ROOM = 32
+
+
+class _AppendingLayer(DynamicLayer):
+    """A cache layer that appends a step's keys and values in place where its buffer has room."""
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        self.keys = _append(self.keys, key_states)
+        self.values = _append(self.values, value_states)
+        return self.keys, self.values
 
 
 def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
@@ -94,6 +139,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.model = model.eval().to(device)
         self.device = device
+        use_grouped_sdpa(self.model, device)
         # transformers 5 renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -148,8 +194,9 @@ class ModelRunner:
     def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:
         """Feed one new token per row; logits (B, V) for the next token and the grown state."""
         cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
-            cache.update(k, v, layer)
+        cache.layers = [
+            _AppendingLayer(k, v) for k, v in zip(state.keys, state.values, strict=True)
+        ]
         positions = state.mask.sum(-1, keepdim=True)  # (B, 1): the next real position per row
         mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
         input_ids = torch.tensor(tokens, device=self.device).unsqueeze(-1)  # (B, 1)
