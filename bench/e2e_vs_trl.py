@@ -21,12 +21,11 @@ What differs between the two, by design of each framework (not of this script):
   it); TRL runs both in this process. By default TRL gets one thread too (`--trl-threads 1`), so
   both compare at the same compute; `--trl-threads 0` gives TRL torch's default (all cores), which
   on a busy machine mostly measures oversubscription (we saw 3-14 s per step on a loaded 2-core box).
-- miles by default recomputes the old-policy log-probs with the trainer (one extra forward pass)
-  before the step; TRL skips it when num_iterations == 1. `--miles-flag=--use-rollout-logprobs`
-  makes miles use the engine's log-probs instead, which removes that pass.
+- With one optimizer step per rollout neither runs a separate old-policy forward: miles takes the
+  old log-probs from the step's own forward (detached), TRL skips them when num_iterations == 1.
 - miles trains on packed micro-batches of up to --max-tokens-per-gpu tokens (default here 4096: the
-  whole rollout in one row) and, with sdpa on CPU, gives them a dense (T, T) block-diagonal mask,
-  so attention costs grow with T^2; TRL pads each sample to the batch's longest one.
+  whole rollout in one micro-batch); with sdpa on CPU it runs their documents as the rows of a
+  right-padded batch, as TRL pads each sample to the batch's longest one.
 - miles pushes the new weights to the engine after every step (`time/update_weights_s`); TRL
   generates with the model it trains, so it has no weight sync.
 """
@@ -114,7 +113,7 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
         "  engine requests + rewards": engine,
         "  train-data build in manager": [m - e for m, e in zip(manager, engine, strict=True)],
         "  Ray call + object transfer": [g - m for g, m in zip(generate, manager, strict=True)],
-        "train (old logp + fwd/bwd + optim)": train,
+        "train (fwd/bwd + optim)": train,
         "weight sync": sync,
         "other (loop, logging, ...)": [
             s - g - t - w for s, g, t, w in zip(step_s, generate, train, sync, strict=True)
@@ -277,6 +276,15 @@ def report(args: argparse.Namespace, model_info: str, miles: dict | None, trl: d
         ratio = miles["step_s"]["median"] / trl["step_s"]["median"]
         verdict = "slower" if ratio > 1 else "faster"
         print(f"ratio miles / TRL (median): {ratio:.2f}  (miles is {verdict})")
+        generate_s = trl["split_median_s"].get("  transformers generate")
+        if generate_s:  # tokens/s of this workload's generation, engine against `generate`
+            engine = (
+                miles["response_len_mean"] / miles["split_median_s"]["  engine requests + rewards"]
+            )
+            hf = trl["response_len_mean"] / generate_s
+            print(
+                f"generation tokens/s, reference engine / transformers generate: {engine / hf:.2f}x"
+            )
     for name, result in (("miles", miles), ("TRL", trl)):
         if result is None or not result["split_median_s"]:
             continue

@@ -257,6 +257,19 @@ def test_packed_logits_equal_per_document_logits(tmp_path, attn_implementation):
         # The mask is what keeps documents apart: a plain causal row leaks across them.
         leaky = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[0]
         assert (leaky - logits).abs().max() > 1e-3
+    # Gradients flow to each document's own positions (the padding's rows are constant zeros).
+    assert packed.num_pad_tokens > 0
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    device = torch.device("cpu")
+    (packed_logits(model, packed, attn_implementation=attn_implementation, device=device)
+     * weights).sum().backward()  # fmt: skip
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for i, tokens in enumerate(docs["tokens"]):
+        start, end = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
+        (model(input_ids=torch.tensor([tokens])).logits[0] * weights[start:end]).sum().backward()
+    for packed_grad, p in zip(packed_grads, model.parameters(), strict=True):
+        torch.testing.assert_close(packed_grad, p.grad, rtol=1e-4, atol=1e-5)
 
 
 # -- refused flags ---------------------------------------------------------------------------

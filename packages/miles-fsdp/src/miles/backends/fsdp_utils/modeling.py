@@ -142,10 +142,13 @@ def packed_logits(
     rows = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True).to(device)  # (B, L)
     position_ids = torch.arange(rows.shape[1], device=device).expand_as(rows)  # (B, L)
     logits = model(input_ids=rows, position_ids=position_ids, use_cache=False).logits  # (B, L, V)
-    pieces = [logits[i, :n] for i, n in enumerate(lengths)]
+    # One boolean gather (row-major: the documents in order), not one slice per document: each
+    # slice's backward writes a zero (B, L, V) gradient and adds it up, O(B^2) in the batch.
+    real = position_ids < torch.tensor(lengths, device=device).unsqueeze(-1)  # (B, L)
+    flat = logits[real]  # (sum L_i, V)
     if packed.num_pad_tokens:  # the row's trailing padding predicts nothing
-        pieces.append(logits.new_zeros(packed.num_pad_tokens, logits.shape[-1]))
-    return torch.cat(pieces)  # (T, V)
+        flat = torch.cat([flat, flat.new_zeros(packed.num_pad_tokens, flat.shape[-1])])
+    return flat  # (T, V)
 
 
 def response_positions(packed: PackedBatch) -> torch.Tensor:
