@@ -162,7 +162,8 @@ def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[fl
 MESH_CASES = [
     # (dp_replicate x dp_shard on 4 ranks, FSDPArgs overrides, LossConfig overrides)
     (1, {}, {"use_kl_loss": True, "kl_loss_coef": 0.5}),
-    (2, {"gradient_checkpointing": True}, {"loss_reduction": "token_mean"}),
+    (2, {"gradient_checkpointing": True, "fsdp_gather": "micro_batch"},
+     {"loss_reduction": "token_mean"}),
     (
         4,
         {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24,
@@ -179,7 +180,9 @@ def _train_under_meshes(rank: int, checkpoint: Path) -> list[dict]:
         args = make_args(checkpoint, loss=loss, dp_replicate_size=replicate, **fsdp)
         actor, _ = make_actor(rank, 4, args, with_ref=loss.get("use_kl_loss", False))
         captured = capture_full_grads(actor)
-        metrics = actor.train(0, local_shard(batch, rank, 4))
+        shard = local_shard(batch, rank, 4)
+        metrics = actor.train(0, shard)
+        sharded = _left_sharded(actor.engine.model)
         params = full_params(actor.engine.model)
         if rank != 0:
             results.append({})
@@ -192,9 +195,36 @@ def _train_under_meshes(rank: int, checkpoint: Path) -> list[dict]:
                 "ref_norms": ref_norms,
                 "grad_diff": [_max_rel_diff(c, r) for c, r in zip(captured, ref_grads, strict=True)],
                 "param_diff": _max_rel_diff(params, ref_params),
+                "gather_per_step": actor.engine.gather_per_step,
+                "left_sharded": sharded,
             }
         )  # fmt: skip
+    results[-1]["sharded_after_a_failure"] = _fail_midway(actor, shard)
     return results
+
+
+def _left_sharded(model) -> bool:
+    """No layer left gathered, no gradient left unreduced."""
+    from torch.distributed.tensor import DTensor
+
+    from miles.backends.fsdp_utils.modeling import unreduced_grads
+
+    return all(isinstance(p, DTensor) for p in model.parameters()) and not unreduced_grads(model)
+
+
+def _fail_midway(actor, shard: dict) -> bool:
+    """A loss that raises on the second of three micro-batches, after the first's backward."""
+    from miles.backends.training_utils.rollout_data import select_rows
+
+    def loss_fn(index, log_probs, entropy):
+        if index == 1:
+            raise RuntimeError("a loss that fails midway")
+        return log_probs.sum(), {}
+
+    micro_batches = [select_rows(shard, [row]) for row in range(3)]
+    with pytest.raises(RuntimeError, match="fails midway"):
+        actor.engine.forward_backward(micro_batches, loss_fn)
+    return _left_sharded(actor.engine.model)
 
 
 def capture_full_grads(actor) -> list[dict[str, torch.Tensor]]:
@@ -228,6 +258,10 @@ def test_gradients_and_steps_under_every_mesh_equal_a_single_process_reference(t
         torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-4, atol=0)
         assert max(case["grad_diff"]) < 1e-4, case
         assert case["param_diff"] < 1e-4, case
+        assert case["left_sharded"], case
+    # --fsdp-gather: auto gathers once per step on CPU; the second mesh asks for per micro-batch.
+    assert [case["gather_per_step"] for case in rank0] == [True, False, True]
+    assert rank0[-1]["sharded_after_a_failure"]
 
 
 # -- packing ---------------------------------------------------------------------------------

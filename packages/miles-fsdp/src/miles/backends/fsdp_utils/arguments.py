@@ -33,6 +33,14 @@ class FSDPArgs(TrainerArgs):
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     fsdp_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in host memory (FSDP2 offload)."""
+    fsdp_gather: Literal["auto", "micro_batch", "step"] = "auto"
+    """How often a rank gathers each layer's full parameters and reduces its gradients.
+    micro_batch (ZeRO-3, least memory): two all-gathers and one reduce-scatter per micro-batch.
+    step (ZeRO-2 within a step): gathered once per optimizer step and kept through every
+    micro-batch's forward and backward, gradients accumulated whole and reduce-scattered once; a
+    rank holds the full parameters and gradients during the step (as DDP does), its optimizer
+    state stays sharded. auto: step on CPU, where gloo moves every byte through host memory;
+    micro_batch on accelerators."""
     dp_replicate_size: int = 1
     """HSDP replicas: shard within groups of world/replicas ranks, replicate across groups."""
     context_parallel_size: int = 1

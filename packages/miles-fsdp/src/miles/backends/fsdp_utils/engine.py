@@ -12,18 +12,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.arguments import FSDPArgs
 from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
-from miles.backends.fsdp_utils.modeling import build_fsdp_model, packed_logits, response_positions
+from miles.backends.fsdp_utils.modeling import (
+    build_fsdp_model,
+    discard_unreduced_grads,
+    packed_logits,
+    response_positions,
+)
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
@@ -75,6 +81,8 @@ class FSDPEngine:
         self.precision = PrecisionPolicy.from_args(args, get_device_info().kind)
         self.engine_dtype = self.precision.engine_dtype
         self.model = self._build_model(meshes["fsdp"], trainable=True)
+        gather = args.fsdp_gather
+        self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
         self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -138,12 +146,46 @@ class FSDPEngine:
     ) -> list[dict[str, Tensor]]:
         self.model.train()
         metrics = []
-        for index, micro in enumerate(micro_batches):
-            log_probs, entropy = self._log_probs(self.model, micro)
-            loss, pairs = loss_fn(index, log_probs, entropy)
-            loss.backward()
-            metrics.append(pairs)
+        with self._gathered_for_the_step(len(micro_batches)) as before:
+            for index, micro in enumerate(micro_batches):
+                before(index)
+                log_probs, entropy = self._log_probs(self.model, micro)
+                loss, pairs = loss_fn(index, log_probs, entropy)
+                loss.backward()
+                metrics.append(pairs)
         return metrics
+
+    @contextlib.contextmanager
+    def _gathered_for_the_step(self, count: int) -> Iterator[Callable[[int], None]]:
+        """--fsdp-gather step: the parameters gathered by the first micro-batch's forward stay
+        gathered until the last one's backward, which alone reduce-scatters the gradients the
+        micro-batches accumulated. Yields the hook to call before micro-batch `index`; afterwards
+        (or on a failure midway) the model is sharded as FSDP2 leaves it by default."""
+        if not self.gather_per_step:
+            yield lambda index: None
+            return
+
+        def before(index: int) -> None:
+            last = index == count - 1
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+
+        self.model.set_reshard_after_forward(False)
+        try:
+            yield before
+        except BaseException:
+            # A failure midway leaves layers gathered and the earlier micro-batches' gradients
+            # accumulated whole, outside the sharded .grad that zero_grad clears: the next step
+            # would reduce them with its own.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # per module, not recursive
+            discard_unreduced_grads(self.model)
+            raise
+        finally:
+            self.model.set_reshard_after_forward(True)
+            self.model.set_reshard_after_backward(True)
+            self.model.set_requires_gradient_sync(True)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
@@ -117,6 +117,34 @@ def _check_tied(model: nn.Module) -> None:
         return
     output, embed = model.get_output_embeddings(), model.get_input_embeddings()
     assert output is None or output.weight is embed.weight, "sharding untied the embeddings"
+
+
+def unreduced_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Gradients FSDP holds whole, not yet reduce-scattered (while gradient sync is off)."""
+    grads = []
+    for fsdp_param in _fsdp_params(model):
+        accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        grads += [g for g in (accumulated, getattr(unsharded, "grad", None)) if g is not None]
+    return grads
+
+
+def discard_unreduced_grads(model: nn.Module) -> None:
+    """Drop what `unreduced_grads` finds (FSDP2 has no public call for it: a step it was told
+    not to sync is expected to finish)."""
+    for fsdp_param in _fsdp_params(model):
+        fsdp_param.unsharded_accumulated_grad = None
+        if getattr(fsdp_param, "_unsharded_param", None) is not None:
+            fsdp_param._unsharded_param.grad = None
+
+
+def _fsdp_params(model: nn.Module) -> list:
+    params = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                params += group.fsdp_params
+    return params
 
 
 # -- forward on packed micro-batches -----------------------------------------------------------
