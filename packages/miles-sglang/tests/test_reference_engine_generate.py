@@ -70,6 +70,27 @@ def test_logprobs_equal_teacher_forced_forward_of_temperature_scaled_model(
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_top_logprobs_are_the_likeliest_tokens_of_the_teacher_forced_distribution(
+    engine_url, hf_model
+):
+    result = _generate(
+        engine_url,
+        input_ids=PROMPTS[1],
+        return_logprob=True,
+        top_logprobs_num=4,
+        sampling_params={"temperature": 0.7, "max_new_tokens": 6, "seed": 3},
+    )
+    ids = torch.tensor([PROMPTS[1] + result["output_ids"]])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(PROMPTS[1]) - 1 : -1] / 0.7
+    want = torch.log_softmax(logits, -1).topk(4, dim=-1)
+    tops = result["meta_info"]["output_top_logprobs"]
+    assert len(tops) == len(result["output_ids"])
+    assert [[entry[1] for entry in step] for step in tops] == want.indices.tolist()
+    got = torch.tensor([[entry[0] for entry in step] for step in tops])
+    torch.testing.assert_close(got, want.values, atol=1e-4, rtol=0)
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engine_url):
     params = {"temperature": 1.0, "max_new_tokens": 20, "seed": 1234}
     first = _generate(engine_url, input_ids=PROMPTS[3], sampling_params=params)["output_ids"]

@@ -15,17 +15,34 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from miles.backends.sglang_utils.byte_level import char_to_byte
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen-style chat template: what `--apply-chat-template` renders for the tiny models.
+# Qwen-style chat template: what `--apply-chat-template` renders for the tiny models. With tools it
+# lists them in the system turn and writes calls and results as Qwen's templates do
+# (`<tool_call>{json}</tool_call>`, `<tool_response>...</tool_response>`); without tools, calls or
+# tool results it renders exactly the plain ChatML of earlier versions.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>tool\n<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: 256 byte tokens, then the special tokens (ids 256, 257, 258)."""
-    vocab = {char: byte for byte, char in enumerate(_bytes_to_unicode())}
+    vocab = dict(char_to_byte())
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
@@ -39,20 +56,6 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's reversible byte -> printable character table, indexed by byte value."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:

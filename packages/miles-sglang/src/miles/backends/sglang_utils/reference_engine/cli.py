@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-queued-requests", type=int, default=4096)
     parser.add_argument("--max-request-bytes", type=int, default=64 << 20)
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id of /v1/* (default: --model-path)"
+    )
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:1")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

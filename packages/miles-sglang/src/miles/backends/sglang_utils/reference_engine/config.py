@@ -42,6 +42,8 @@ class ReferenceEngineConfig:
     Retry-After. Also the most sequences (prompts x n) one request may ask for."""
     max_request_bytes: int = 64 << 20
     """--max-request-bytes: the largest /generate body accepted (413 past it)."""
+    served_model_name: str | None = None
+    """--served-model-name: the model id of the OpenAI-compatible routes (default: --model-path)."""
     device: str | None = None
     """--device: torch device (default: the detected accelerator, else cpu)."""
 

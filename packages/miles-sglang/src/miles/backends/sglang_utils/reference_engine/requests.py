@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
 from miles.backends.sglang_utils.reference_engine.sampling import (
@@ -55,7 +55,6 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "audio_data": (None, [], ""),
     "use_audio_in_video": (False,),
     "logprob_start_len": (None, -1),
-    "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None, []),
     "return_hidden_states": (False,),
     "return_routed_experts": (False,),
@@ -85,6 +84,7 @@ class SequenceSpec:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -122,6 +122,11 @@ def _as_list(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
+# How many of the likeliest tokens a response may list per position (OpenAI allows up to 20).
+MAX_TOP_LOGPROBS = 20
+TopLogprobsNum = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 class GenerateBody(BaseModel):
     """The types of the GenerateReqInput fields handled here (the rest: `_check_fields`)."""
 
@@ -136,6 +141,7 @@ class GenerateBody(BaseModel):
     sampling_params: Any = None  # one dict, or one per prompt: SamplingParams.from_json
     rid: StrictStr | list[StrictStr | None] | None = None
     return_logprob: StrictBool | list[StrictBool] | None = None
+    top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] | None = None
     stream: StrictBool = False
 
 
@@ -195,6 +201,7 @@ def parse_generate(
         prompts = input_ids if is_batch else [input_ids]
     rids = _as_list(parsed.rid, count, "rid")
     logprob = _as_list(parsed.return_logprob, count, "return_logprob")
+    top = _as_list(parsed.top_logprobs_num, count, "top_logprobs_num")
     sequences = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         for copy in range(n):
@@ -206,6 +213,7 @@ def parse_generate(
                 input_ids=list(prompt),
                 params=params,
                 return_logprob=bool(logprob[i]),
+                top_logprobs_num=int(top[i] or 0) if logprob[i] else 0,
             )
             sequences.append(spec)
     return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)
@@ -217,17 +225,25 @@ def _nested(input_ids: Any) -> bool:
 
 def response_item(request, text: str, return_logprob: bool) -> dict[str, Any]:
     """SGLang's per-sequence /generate result."""
+    count = len(request.output_ids)  # the engine may be appending: read up to this token
     meta: dict[str, Any] = {
         "id": request.rid,
         "finish_reason": request.finish_reason,
         "prompt_tokens": len(request.input_ids),
-        "completion_tokens": len(request.output_ids),
+        "completion_tokens": count,
         "cached_tokens": request.cached_tokens,
         "weight_version": request.weight_version,
     }
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tok, None]
-            for lp, tok in zip(request.output_logprobs, request.output_ids, strict=True)
+            for lp, tok in zip(
+                request.output_logprobs[:count], request.output_ids[:count], strict=True
+            )
         ]
-    return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+        if request.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [[lp, tok, None] for lp, tok in step]
+                for step in request.output_top_logprobs[:count]
+            ]
+    return {"text": text, "output_ids": list(request.output_ids[:count]), "meta_info": meta}

@@ -184,3 +184,25 @@ def sample_next_tokens(
         tokens[rows] = picks.clamp(max=logits.shape[-1] - 1)
     chosen = log_p.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), chosen.tolist()
+
+
+def top_log_probs(
+    logits: Tensor, params: list[SamplingParams], counts: list[int]
+) -> list[list[tuple[float, int]]]:
+    """The `counts[row]` likeliest tokens of each row of (B, V) logits, best first, as
+    (log-prob, token id), under the distribution `sample_next_tokens` scores the sampled token
+    with (temperature-scaled, unfiltered). Rows with a count of 0 get []."""
+    wanted = [row for row, count in enumerate(counts) if count > 0]
+    out: list[list[tuple[float, int]]] = [[] for _ in counts]
+    if not wanted:
+        return out
+    rows = torch.tensor(wanted, device=logits.device)
+    temperatures = [max(params[r].temperature, 0.0) for r in wanted]
+    temperatures = [1.0 if t < GREEDY_TEMPERATURE else t for t in temperatures]
+    scaled = logits.index_select(0, rows).float() / logits.new_tensor(temperatures)[:, None]
+    k = min(max(counts[r] for r in wanted), logits.shape[-1])
+    values, ids = torch.log_softmax(scaled, dim=-1).topk(k, dim=-1)  # (W, k)
+    for i, row in enumerate(wanted):
+        n = min(counts[row], k)
+        out[row] = list(zip(values[i, :n].tolist(), ids[i, :n].tolist(), strict=True))
+    return out

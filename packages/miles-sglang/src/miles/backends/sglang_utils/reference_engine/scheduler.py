@@ -26,7 +26,11 @@ from miles.backends.sglang_utils.reference_engine.model_runner import (
     merge_states,
     select_rows,
 )
-from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams, sample_next_tokens
+from miles.backends.sglang_utils.reference_engine.sampling import (
+    SamplingParams,
+    sample_next_tokens,
+    top_log_probs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ class Request:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    top_logprobs_num: int = 0
+    """How many of the likeliest tokens to record at each step (OpenAI's top_logprobs)."""
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     generator: torch.Generator = field(default_factory=torch.Generator)
@@ -279,6 +286,8 @@ class Scheduler:
                     )
                 except Exception as err:
                     failed[row] = err
+        counts = [r.top_logprobs_num for r in requests]
+        tops = top_log_probs(logits, [r.params for r in requests], counts) if any(counts) else None
         self.step_seconds["sampling"] += time.perf_counter() - start
         for row, (request, token, log_prob) in enumerate(
             zip(requests, tokens, log_probs, strict=True)
@@ -286,8 +295,12 @@ class Scheduler:
             if row in failed:
                 request.finish_reason = _engine_error(failed[row])
                 continue
-            request.output_ids.append(token)
+            # The token goes in last: a server thread that reads len(output_ids) finds the
+            # log-probs of every token it counts.
             request.output_logprobs.append(log_prob)
+            if tops is not None and request.top_logprobs_num:
+                request.output_top_logprobs.append(tops[row])
+            request.output_ids.append(token)
             request.weight_version = self.weight_version
             try:
                 request.finish_reason = self._finish_reason(request, token)

@@ -27,8 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from miles.backends.sglang_utils.byte_level import char_to_byte
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
+from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
 from miles.backends.sglang_utils.reference_engine.request_models import (
     AbortBody,
     DiskUpdateBody,
@@ -53,6 +55,12 @@ from miles.backends.sglang_utils.reference_engine.sampling import (
 )
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
+from miles.backends.sglang_utils.reference_engine.serving import (
+    RequestTooLargeError,
+    answers,
+    json_body,
+    submit,
+)
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager, check_tags
 from miles.backends.training_utils.device import get_torch_device
 
@@ -87,10 +95,6 @@ def _error(
     return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
-class RequestTooLargeError(InvalidRequestError):
-    """A body over --max-request-bytes: refused unread (413)."""
-
-
 class QueueFullError(RuntimeError):
     """More requests wait than --max-queued-requests: refused, to be retried (503)."""
 
@@ -123,6 +127,32 @@ class ReferenceEngine:
         # One thread tokenizes, off the event loop: a long prompt does not stall /health, and a
         # fast tokenizer is never entered from two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._token_texts: dict[int, str] = {}
+        self._byte_values = _byte_level_values(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.config.model_path
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in the tokenizer's thread: text work never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as OpenAI's logprobs show it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes. A byte-level BPE token can be part of a character, whose text
+        alone is U+FFFD: its bytes come from the token's own byte-level spelling."""
+        if self._byte_values is not None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(char in self._byte_values for char in piece):
+                return bytes(self._byte_values[char] for char in piece)
+        return self.token_text(token_id).encode()
 
     async def parse(self, body: Any) -> ParsedGenerate:
         """A /generate body, validated; text is tokenized off the event loop."""
@@ -219,59 +249,6 @@ class ReferenceEngine:
         return info
 
 
-def _submit(
-    engine: ReferenceEngine, parsed: ParsedGenerate, loop, on_update
-) -> tuple[list[asyncio.Future], list[EngineRequest]]:
-    """Queue every sequence; their futures (set when each finishes) and engine requests."""
-    futures, requests = [], []
-    for index, spec in enumerate(parsed.sequences):
-        future = loop.create_future()
-
-        def on_event(request: EngineRequest, finished: bool, future=future, index=index) -> None:
-            if finished:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(request))
-            elif on_update is not None:
-                loop.call_soon_threadsafe(on_update, index, request)
-
-        request = EngineRequest(
-            input_ids=spec.input_ids,
-            params=spec.params,
-            on_event=on_event,
-            stop_checker=engine.stop_checker(spec.params),
-        )
-        if spec.rid:
-            request.rid = spec.rid
-        engine.scheduler.submit(request)
-        futures.append(future)
-        requests.append(request)
-    return futures, requests
-
-
-async def _json_body(request: Request, max_bytes: int | None = None) -> Any:
-    """The request's JSON (an empty body is `{}`); a body past `max_bytes` is refused unread."""
-    declared = request.headers.get("content-length")
-    if max_bytes is not None and declared and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestTooLargeError(
-            f"the body has {declared} bytes, over --max-request-bytes {max_bytes}"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if max_bytes is not None and size > max_bytes:
-            raise RequestTooLargeError(f"the body is over --max-request-bytes {max_bytes}")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks) or b"{}")
-    except ValueError as err:  # invalid JSON, or bytes that are not UTF-8
-        raise InvalidRequestError(f"the body is not valid JSON: {err}") from None
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client hangs up (its request fully read, the next message says so)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        continue
-
-
 def _authorized(presented: bytes | None, *keys: str | None) -> bool:
     given = presented or b""
     # Every set key is compared, in constant time, so the answer's timing says nothing of which.
@@ -325,6 +302,15 @@ class _Guard:
         return None
 
 
+def _byte_level_values(tokenizer: Any) -> dict[str, int] | None:
+    """The byte of each character of a byte-level tokenizer's alphabet; None for tokenizers that
+    do not decode byte-level."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return None
+    return char_to_byte()
+
+
 def create_app(engine: ReferenceEngine) -> FastAPI:
     app = FastAPI(title="miles reference engine")
     api_key, admin_key = engine.config.api_key, engine.config.admin_api_key
@@ -355,26 +341,17 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        parsed = await engine.parse(await _json_body(request, engine.config.max_request_bytes))
+        parsed = await engine.parse(await json_body(request, engine.config.max_request_bytes))
         for spec in parsed.sequences:
             engine.validate(spec)
         engine.check_queue(len(parsed.sequences))
         loop = asyncio.get_running_loop()
         if parsed.stream:
             return StreamingResponse(_stream(engine, parsed, loop), media_type="text/event-stream")
-        futures, requests = _submit(engine, parsed, loop, None)
-        answered = asyncio.gather(*futures)
-        hung_up = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({answered, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hung_up.cancel()
-        if not answered.done():  # nobody waits for the answer: free the slots now
-            for engine_request in requests:
-                engine.scheduler.abort(rid=engine_request.rid)
-            answered.cancel()
+        futures, requests = submit(engine, parsed, loop, None)
+        done = await answers(request, engine, futures, requests)
+        if done is None:  # nobody waits for the answer: its slots are free again
             return Response(status_code=499)
-        done = answered.result()
         items = [
             response_item(r, engine.final_text(r), spec.return_logprob)
             for r, spec in zip(done, parsed.sequences, strict=True)
@@ -391,7 +368,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return _error(503, f"memory released: {sorted(engine.weights.released)}")
         spec = SequenceSpec("", [0], SamplingParams(max_new_tokens=1, temperature=0.0), False)
         loop = asyncio.get_running_loop()
-        futures, _ = _submit(engine, ParsedGenerate([spec], False, False), loop, None)
+        futures, _ = submit(engine, ParsedGenerate([spec], False, False), loop, None)
         try:
             await asyncio.wait_for(asyncio.gather(*futures), 60)
         except TimeoutError:
@@ -427,7 +404,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        mode = validate_body(PauseBody, await _json_body(request)).mode
+        mode = validate_body(PauseBody, await json_body(request)).mode
         engine.scheduler.pause()
         if mode == "abort":
             engine.scheduler.abort(abort_all=True)
@@ -440,13 +417,13 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = validate_body(AbortBody, await _json_body(request))
+        body = validate_body(AbortBody, await json_body(request))
         engine.scheduler.abort(rid=body.rid, abort_all=body.abort_all)
         return Response(status_code=200)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        body = validate_body(TensorUpdateBody, await _json_body(request))
+        body = validate_body(TensorUpdateBody, await json_body(request))
         return await action(
             lambda: run(
                 lambda: engine.weights.from_tensor(
@@ -457,14 +434,14 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = validate_body(DiskUpdateBody, await _json_body(request))
+        body = validate_body(DiskUpdateBody, await json_body(request))
         return await action(
             lambda: run(lambda: engine.weights.from_disk(body.model_path, body.weight_version))
         )
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        body = validate_body(InitGroupBody, await _json_body(request))
+        body = validate_body(InitGroupBody, await json_body(request))
         # Joining blocks until the trainer joins too: run it off the event loop and engine loop.
         return await action(
             lambda: asyncio.to_thread(engine.weights.init_group, **body.model_dump())
@@ -472,19 +449,19 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        body = validate_body(DistributedUpdateBody, await _json_body(request))
+        body = validate_body(DistributedUpdateBody, await json_body(request))
         return await action(
             lambda: run(lambda: engine.weights.from_distributed(**body.model_dump()))
         )
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
-        body = validate_body(GroupBody, await _json_body(request))
+        body = validate_body(GroupBody, await json_body(request))
         return await action(lambda: run(lambda: engine.weights.destroy_group(body.group_name)))
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request):
-        tags = check_tags(validate_body(MemoryBody, await _json_body(request)).tags)
+        tags = check_tags(validate_body(MemoryBody, await json_body(request)).tags)
         if not engine.scheduler.wait_idle(timeout_s=0.0):
             raise InvalidRequestError(
                 "requests are running; pause or wait for them before releasing memory"
@@ -493,16 +470,17 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request):
-        tags = check_tags(validate_body(MemoryBody, await _json_body(request)).tags)
+        tags = check_tags(validate_body(MemoryBody, await json_body(request)).tags)
         return await action(lambda: run(lambda: engine.weights.resume(tags)))
 
+    add_openai_routes(app, engine)
     return app
 
 
 async def _stream(engine: ReferenceEngine, parsed: ParsedGenerate, loop) -> AsyncIterator[bytes]:
     """Server-sent events as SGLang sends them: the cumulative result so far, then [DONE]."""
     updates: asyncio.Queue = asyncio.Queue()
-    futures, requests = _submit(
+    futures, requests = submit(
         engine, parsed, loop, lambda index, request: updates.put_nowait((index, request))
     )
     pending = set(range(len(futures)))

@@ -1,0 +1,366 @@
+"""OpenAI's chat-completions and completions bodies, with the field names and extensions SGLang's
+OpenAI-compatible server uses (`chat_template_kwargs`, `input_ids`, `return_prompt_token_ids`,
+`return_token_ids`, `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `no_stop_trim`), validated
+before anything is tokenized or queued; and the pieces of their answers.
+
+What the reference engine cannot honour (penalties, logit bias, structured output, forced tool
+choice, echo, suffix) is refused with a 400 naming the field unless it is at its default, and a
+field neither API knows is refused the same way: a request never quietly means less than it says.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from miles.backends.sglang_utils.reference_engine.request_models import Seed, TokenId
+from miles.backends.sglang_utils.reference_engine.requests import MAX_TOP_LOGPROBS
+from miles.backends.sglang_utils.reference_engine.sampling import (
+    InvalidRequestError,
+    SamplingParams,
+)
+
+Number = StrictInt | StrictFloat
+# Fields that only label, route or store a request elsewhere: any value is accepted.
+PASS_THROUGH = {"user", "metadata", "store", "service_tier", "rid", "priority", "extra_key"}
+# Fields this engine honours only at their default (OpenAI's or SGLang's).
+DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "min_tokens": (0, None),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "reasoning_effort": (None,),
+    "return_hidden_states": (False,),
+    "return_routed_experts": (False,),
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
+    "continue_final_message": (False,),
+    "skip_special_tokens": (True,),
+    "lora_path": (None,),
+    "session_params": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "functions": (None,),
+    "function_call": (None, "none", "auto"),
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> _Body:
+        for name, value in (self.model_extra or {}).items():
+            if name in PASS_THROUGH:
+                continue
+            if name not in DEFAULTS_ONLY:
+                raise ValueError(f"unknown field {name!r}")
+            if value not in DEFAULTS_ONLY[name]:
+                raise ValueError(
+                    f"{name}={value!r} is not supported by the reference engine; leave it at "
+                    f"{DEFAULTS_ONLY[name][0]!r} or use an SGLang engine"
+                )
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: Literal[False] = False  # usage is sent once, at the end
+
+
+class _Sampling(_Body):
+    """The sampling fields both APIs share."""
+
+    model: StrictStr = "default"
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: StrictInt | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
+    ignore_eos: StrictBool = False
+    no_stop_trim: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            no_stop_trim=self.no_stop_trim,
+            seed=self.seed,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any]
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class Message(BaseModel):
+    # Clients echo a previous answer's message back, with OpenAI's empty extras (refusal,
+    # annotations, audio): those are accepted when empty.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        for name, value in (self.model_extra or {}).items():
+            if value not in (None, [], ""):
+                raise ValueError(f"unknown message field {name!r}")
+        if self.content is None and not self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, tool-call arguments as objects
+        (templates write them with `tojson`; a JSON string would be quoted twice)."""
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        else:
+            out["content"] = self.content if self.content is not None else ""
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return out
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # the template writes what the client sent
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ChatCompletionBody(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    return_prompt_token_ids: StrictBool = False
+
+    @model_validator(mode="after")
+    def _choices(self) -> ChatCompletionBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice is not None and not isinstance(self.tool_choice, str):
+            raise ValueError(
+                "a named tool_choice forces a call, which needs constrained decoding: the "
+                "reference engine has none; send 'auto' or use an SGLang engine"
+            )
+        if self.tool_choice == "required":
+            raise ValueError(
+                "tool_choice='required' needs constrained decoding, which the reference engine "
+                "does not have; send 'auto' or use an SGLang engine"
+            )
+        return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools or []}
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# -- completions --------------------------------------------------------------------------------
+
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class CompletionBody(_Sampling):
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | TokenPrompt
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    )
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionBody:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} (ranking {self.best_of} samples to return {self.n}) is "
+                "not supported by the reference engine; leave it unset"
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], list):
+            return list(prompt)
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+def validate(model: type[BaseModel], body: Any) -> Any:
+    """`body` as `model`, or an InvalidRequestError naming the first bad field and its value."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        errors = getattr(err, "errors", lambda: [])()
+        if not errors:
+            raise InvalidRequestError(str(err)) from None
+        first = errors[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        shown = f" (got {first['input']!r})" if where and "input" in first else ""
+        raise InvalidRequestError(
+            f"{where + ': ' if where else ''}{message}{shown}"[:2000], param=where or None
+        ) from None
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(request: Any, has_tool_calls: bool) -> str:
+    """OpenAI's finish_reason from the engine's: stop, length, tool_calls, or abort."""
+    kind = (request.finish_reason or {}).get("type", "abort")
+    if has_tool_calls and kind == "stop":
+        return "tool_calls"
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def matched_stop(request: Any) -> int | str | None:
+    return (request.finish_reason or {}).get("matched")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,94 @@
+"""What every generating route of the reference engine does alike: read a bounded JSON body,
+queue sequences on the scheduler with futures for their ends, and notice a client hanging up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate
+from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
+
+if TYPE_CHECKING:
+    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A body over --max-request-bytes: refused unread (413)."""
+
+
+def submit(
+    engine: ReferenceEngine, parsed: ParsedGenerate, loop, on_update
+) -> tuple[list[asyncio.Future], list[EngineRequest]]:
+    """Queue every sequence; their futures (set when each finishes) and engine requests."""
+    futures, requests = [], []
+    for index, spec in enumerate(parsed.sequences):
+        future = loop.create_future()
+
+        def on_event(request: EngineRequest, finished: bool, future=future, index=index) -> None:
+            if finished:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(request))
+            elif on_update is not None:
+                loop.call_soon_threadsafe(on_update, index, request)
+
+        request = EngineRequest(
+            input_ids=spec.input_ids,
+            params=spec.params,
+            on_event=on_event,
+            stop_checker=engine.stop_checker(spec.params),
+            top_logprobs_num=spec.top_logprobs_num,
+        )
+        if spec.rid:
+            request.rid = spec.rid
+        engine.scheduler.submit(request)
+        futures.append(future)
+        requests.append(request)
+    return futures, requests
+
+
+async def json_body(request: Request, max_bytes: int | None = None) -> Any:
+    """The request's JSON (an empty body is `{}`); a body past `max_bytes` is refused unread."""
+    declared = request.headers.get("content-length")
+    if max_bytes is not None and declared and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(
+            f"the body has {declared} bytes, over --max-request-bytes {max_bytes}"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            raise RequestTooLargeError(f"the body is over --max-request-bytes {max_bytes}")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks) or b"{}")
+    except ValueError as err:  # invalid JSON, or bytes that are not UTF-8
+        raise InvalidRequestError(f"the body is not valid JSON: {err}") from None
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its request fully read, the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+
+
+async def answers(
+    request: Request, engine: ReferenceEngine, futures: list[asyncio.Future], queued: list
+) -> list[EngineRequest] | None:
+    """The finished engine requests, or None when the client hung up first (their sequences
+    are aborted: nobody waits for them)."""
+    answered = asyncio.gather(*futures)
+    hung_up = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({answered, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung_up.cancel()
+    if not answered.done():
+        for engine_request in queued:
+            engine.scheduler.abort(rid=engine_request.rid)
+        answered.cancel()
+        return None
+    return answered.result()
