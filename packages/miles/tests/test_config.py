@@ -238,6 +238,21 @@ def test_load_defaults_to_save_and_paths_become_absolute():
             r"--train-call-timeout-s \(600.0\) must exceed --distributed-timeout-s \(600.0\)",
         ),
         (["--rollout-manager-timeout-s", "0"], "--rollout-manager-timeout-s must be a positive"),
+        (
+            ["--apply-chat-template-kwargs", "[1]"],
+            "--apply-chat-template-kwargs: expected a JSON object",
+        ),
+        (["--apply-chat-template-kwargs", "{not json"], "expected a JSON object"),
+        (["--apply-chat-template-kwargs", '{"a": 1}'], "pass --apply-chat-template too"),
+        (["--chat-template-path", "t.jinja"], "pass --apply-chat-template too"),
+        (
+            ["--apply-chat-template", "--apply-chat-template-kwargs", '{"tokenize": false}'],
+            r"names \['tokenize'\]: those are apply_chat_template's own arguments",
+        ),
+        (
+            ["--apply-chat-template", "--chat-template-path", "no/such.jinja"],
+            "--chat-template-path 'no/such.jinja' is not a file",
+        ),
     ],
 )
 def test_invalid_combinations_name_the_flags(flags, message):

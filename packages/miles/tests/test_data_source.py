@@ -133,6 +133,38 @@ def test_chat_template_renders_messages_and_wraps_plain_strings_as_a_user_turn(t
     assert plain[0].prompt_ids == tokenizer(plain[0].prompt, add_special_tokens=False)["input_ids"]
 
 
+def test_template_variables_and_a_template_file_shape_the_prompts(tmp_path, tokenizer):
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}(no thinking){% endif %}"
+    )
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"input": "Hi?", "label": "x"}])
+    quiet = load(rows, tokenizer, apply_chat_template=True, chat_template_path=str(template),
+                 apply_chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    assert quiet[0].prompt == "[user] Hi?\n(no thinking)"
+    assert quiet[0].prompt_ids == tokenizer.encode(quiet[0].prompt, add_special_tokens=False)
+    default = load(rows, tokenizer, apply_chat_template=True, chat_template_path=str(template))
+    assert default[0].prompt == "[user] Hi?\n"
+    # The tokenizer's own template with the same variables: unchanged by them (it reads none).
+    own = load(rows, tokenizer, apply_chat_template=True,
+               apply_chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    assert own[0].prompt == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_row_the_template_cannot_render_is_named(tmp_path, tokenizer):
+    template = tmp_path / "strict.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system messages here') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    rows = [{"input": "fine", "label": "x"},
+            {"input": [{"role": "system", "content": "s"}], "label": "x"}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"rows.jsonl:2.*no system messages here"):
+        load(write_jsonl(tmp_path / "rows.jsonl", rows), tokenizer,
+             apply_chat_template=True, chat_template_path=str(template))  # fmt: skip
+
+
 def test_chat_messages_without_apply_chat_template_are_refused(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"input": [{"role": "user", "content": "Hi"}]}])
     with pytest.raises(ValueError, match=r"chat\.jsonl:1.*--apply-chat-template"):

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import textwrap
 import types
 import typing
@@ -161,6 +162,8 @@ def convert(value: Any, annotation: Any, where: str) -> Any:
         (item,) = get_args(annotation)
         items = value if isinstance(value, list | tuple) else [value]
         return [convert(v, item, where) for v in items]
+    if get_origin(annotation) is dict:
+        return _to_json_object(value, where)
     converter = _CONVERTERS.get(annotation)
     if converter is None:
         return value  # structured YAML values (dicts) pass through; their owner validates them
@@ -169,6 +172,18 @@ def convert(value: Any, annotation: Any, where: str) -> Any:
         return to_type(value)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: expected {expected}, got {value!r}") from None
+
+
+def _to_json_object(value: Any, where: str) -> dict:
+    """A YAML mapping as is; a command-line string parsed as a JSON object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise ValueError(f"{where}: expected a JSON object, got {value!r} ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {value!r}")
+    return value
 
 
 def _to_bool(value: Any) -> bool:

@@ -210,6 +210,7 @@ def _absolute_paths(config: MilesConfig) -> None:
         )
     checkpoint.save, checkpoint.load = absolute(checkpoint.save), absolute(checkpoint.load)
     config.data.prompt_data = absolute(config.data.prompt_data)
+    config.data.chat_template_path = absolute(config.data.chat_template_path)
     if config.eval.eval_prompt_data:
         pairs = config.eval.eval_prompt_data
         config.eval.eval_prompt_data = [

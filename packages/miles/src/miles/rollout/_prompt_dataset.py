@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from miles.rollout.chat_template import ChatTemplate, check_template_settings
 
 if TYPE_CHECKING:
     import datasets
@@ -40,6 +42,12 @@ class DataSourceConfig:
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (with the generation prompt); a plain
     string becomes one user message. Without it, prompts must be strings and are used as is."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables for the chat template, a JSON object (e.g. '{"enable_thinking": false}' for
+    Qwen3); needs --apply-chat-template."""
+    chat_template_path: str | None = None
+    """A Jinja chat template file, used instead of the tokenizer's own; needs
+    --apply-chat-template."""
     rollout_max_prompt_len: int | None = None
     """Drop prompts longer than this many tokens (after rendering); None keeps all (prompts
     that fill the model's whole context are always dropped: nothing could be generated)."""
@@ -71,6 +79,15 @@ class DataSourceConfig:
             raise ValueError(
                 f"--n-samples-per-prompt ({self.n_samples_per_prompt}) must be at least 1"
             )
+        check_template_settings(
+            apply_chat_template=self.apply_chat_template,
+            kwargs=self.apply_chat_template_kwargs,
+            template_path=self.chat_template_path,
+        )
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return ChatTemplate.from_settings(self.apply_chat_template_kwargs, self.chat_template_path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,8 +141,10 @@ class PromptDataset:
         )
         metadata = _metadata_column(table, config, columns)
 
+        template = config.chat_template if config.apply_chat_template else None
         prompts = [
-            _render(where[row], value, config, tokenizer) for row, value in enumerate(inputs)
+            _render(where[row], value, config, tokenizer, template)
+            for row, value in enumerate(inputs)
         ]
         # A chat template writes its own special tokens (BOS included, where the model has one);
         # plain text gets the tokenizer's usual ones, as an engine given the text would add.
@@ -288,7 +307,13 @@ def _metadata_column(
     return table[_require_column(key, "--metadata-key", config, columns)]
 
 
-def _render(location: str, value: Any, config: DataSourceConfig, tokenizer: Any) -> str:
+def _render(
+    location: str,
+    value: Any,
+    config: DataSourceConfig,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+) -> str:
     """The prompt text of one row: the string itself, or its messages through the chat template."""
     where = f"{location}, column {config.input_key!r}"
     if isinstance(value, str):
@@ -307,7 +332,13 @@ def _render(location: str, value: Any, config: DataSourceConfig, tokenizer: Any)
             f"{where} must be a string or a non-empty list of {{'role': str, 'content': str}} "
             f"messages, got {_describe(value)}"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert template is not None  # set whenever apply_chat_template is
+    try:
+        return template.render(tokenizer, messages)
+    except Exception as err:  # jinja's errors, the template's own raise_exception
+        raise ValueError(
+            f"{where}: the chat template cannot render this row: {type(err).__name__}: {err}"
+        ) from None
 
 
 def _is_message(value: Any) -> bool:
