@@ -136,12 +136,28 @@ def test_a_stop_string_ends_the_text_and_is_never_streamed(client):
     free = client.completions.create(**kwargs).choices[0].text
     stop = free[4:6]
     assert len(stop) == 2
-    stopped = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    stopped = client.completions.create(**kwargs, stop=[stop], logprobs=1).choices[0]
     assert stopped.text == free[: free.index(stop)] and stopped.finish_reason == "stop"
-    streamed = "".join(
-        c.choices[0].text for c in client.completions.create(**kwargs, stop=stop, stream=True)
-    )
-    assert streamed == stopped.text
+    chunks = list(client.completions.create(**kwargs, stop=stop, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == stopped.text
+    # Held-back text does not shift the tokens' offsets.
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == stopped.logprobs.text_offset
+
+
+def test_a_request_id_lets_an_admin_abort_a_running_stream(client, engine_url):
+    stream = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=900, stream=True,
+        extra_body={"rid": "long-answer", "ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))  # it runs
+    assert httpx.post(f"{engine_url}/abort_request", json={"rid": "long-answer"}).status_code == 200
+    finals = [
+        c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["abort"]
 
 
 def test_text_completions_of_text_and_token_prompts(client, tokenizer):
@@ -182,24 +198,44 @@ def test_text_completions_of_text_and_token_prompts(client, tokenizer):
         ({"messages": QUESTION, "tools": [ADD_TOOL], "tool_choice": "required"}, "required"),
         ({"messages": QUESTION, "colour": "blue"}, "colour"),
         ({"messages": QUESTION, "max_tokens": 5000}, "context length"),
+        ({"messages": QUESTION, "stop": ["ok", ""]}, "empty stop string"),
+        (
+            {"messages": QUESTION, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+            "chat_template",
+        ),
+        (
+            {
+                "messages": QUESTION,
+                "tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
+            },
+            "strict",
+        ),
+        ({"messages": QUESTION, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "surrogate"),
+        ({"messages": QUESTION, "model": "m\ud800", "stream": True}, "surrogate"),
     ],
 )
 def test_a_malformed_request_is_a_400_naming_what_is_wrong(engine_url, body, names):
-    response = httpx.post(
-        f"{engine_url}/v1/chat/completions", json={"model": "m", **body}, timeout=30
-    )
+    # json.dumps writes a lone surrogate as the escape a client's JSON would carry ("\\ud800").
+    payload = json.dumps({"model": "m", **body})
+    response = httpx.post(f"{engine_url}/v1/chat/completions", content=payload, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and names in error["message"] + str(
-        error["param"]
-    )
+    assert error["type"] == "invalid_request_error"
+    assert names in error["message"] + str(error["param"])
 
 
 def test_the_client_sees_a_bad_request_error_and_the_server_stays_up(client, engine_url):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="m", prompt="a", best_of=3)
-    bad = httpx.post(f"{engine_url}/v1/completions", content=b"{not json", timeout=30)
-    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    for body in (b"{not json", b"[" * 100_000 + b"]" * 100_000):
+        bad = httpx.post(f"{engine_url}/v1/completions", content=body, timeout=30)
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    # None for an option is its default, as OpenAI's API takes it.
+    nulls = client.chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=2, n=None, logprobs=None, stream=None
+    )
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
     assert (
         client.completions.create(model="m", prompt="a", max_tokens=2).choices[0].text is not None
     )
@@ -207,7 +243,7 @@ def test_the_client_sees_a_bad_request_error_and_the_server_stays_up(client, eng
 
 # -- tool calls, over two turns, with a model that learned them ---------------------------------
 
-TOOL_TURN = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+TOOL_TURN = 'Sure.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 FINAL_TURN = "It is 5."
 TOOL_QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -257,7 +293,7 @@ def test_tool_calls_over_two_turns_with_the_openai_client(tool_calling_checkpoin
             model="tiny", messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=80
         )
         choice = first.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
         (call,) = choice.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {
             "a": 2,
@@ -267,7 +303,8 @@ def test_tool_calls_over_two_turns_with_the_openai_client(tool_calling_checkpoin
             model="tiny", messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=80,
             stream=True,
         ))  # fmt: skip
-        assert "".join(c.choices[0].delta.content or "" for c in streamed) == ""  # tags held back
+        # The tag's start and the whitespace before it are held back until the call is clear.
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == "Sure."
         (delta,) = [d for c in streamed for d in c.choices[0].delta.tool_calls or []]
         assert delta.index == 0 and delta.function.name == "add"
         assert streamed[-1].choices[0].finish_reason == "tool_calls"

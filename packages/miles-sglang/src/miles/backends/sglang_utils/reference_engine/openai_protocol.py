@@ -34,8 +34,13 @@ from miles.backends.sglang_utils.reference_engine.sampling import (
 )
 
 Number = StrictInt | StrictFloat
+# apply_chat_template's own arguments: chat_template_kwargs may only add template variables.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize",
+                                "padding", "truncation", "max_length", "return_tensors",
+                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})  # fmt: skip
 # Fields that only label, route or store a request elsewhere: any value is accepted.
-PASS_THROUGH = {"user", "metadata", "store", "service_tier", "rid", "priority", "extra_key"}
+PASS_THROUGH = {"user", "metadata", "store", "service_tier", "priority", "extra_key"}
 # Fields this engine honours only at their default (OpenAI's or SGLang's).
 DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0, None),
@@ -69,6 +74,16 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: Any) -> Any:
+        """OpenAI's clients send null for an option the caller passed as None: its default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None)}  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _known_fields(self) -> _Body:
@@ -109,6 +124,15 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False
+    rid: Annotated[StrictStr, Field(min_length=1)] | None = None
+    """A request id for /abort_request; its sequences are rid-0, rid-1, ... when there are more."""
+
+    @model_validator(mode="after")
+    def _stops(self) -> _Sampling:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(stop == "" for stop in stops):
+            raise ValueError("stop: an empty stop string would end every answer at once")
+        return self
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -254,6 +278,22 @@ class ChatCompletionBody(_Sampling):
     def _choices(self) -> ChatCompletionBody:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        shadowed = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if shadowed:
+            raise ValueError(
+                f"chat_template_kwargs names {shadowed}: those are apply_chat_template's own "
+                "arguments (the template is the model's), not template variables"
+            )
+        if any(tool.function.strict for tool in self.tools or []):
+            raise ValueError(
+                "strict tool schemas need constrained decoding, which the reference engine does "
+                "not have; leave strict unset or use an SGLang engine"
+            )
+        if not self.parallel_tool_calls:
+            raise ValueError(
+                "parallel_tool_calls=false (at most one call) needs constrained decoding, which "
+                "the reference engine does not have; leave it true or use an SGLang engine"
+            )
         if self.tool_choice is not None and not isinstance(self.tool_choice, str):
             raise ValueError(
                 "a named tool_choice forces a call, which needs constrained decoding: the "

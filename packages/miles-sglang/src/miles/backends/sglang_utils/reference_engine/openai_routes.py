@@ -32,7 +32,10 @@ from miles.backends.sglang_utils.reference_engine.openai_protocol import (
     validate,
 )
 from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate, SequenceSpec
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.sampling import (
+    InvalidRequestError,
+    SamplingParams,
+)
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.serving import answers, json_body, submit
 from miles.backends.sglang_utils.reference_engine.tool_calls import (
@@ -69,7 +72,7 @@ def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         done = await answers(request, engine, futures, queued)
         if done is None:
             return Response(status_code=499)
-        return JSONResponse(chat.answer(done))
+        return _failure(done) or JSONResponse(chat.answer(done))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -85,7 +88,22 @@ def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         done = await answers(request, engine, futures, queued)
         if done is None:
             return Response(status_code=499)
-        return JSONResponse(text.answer(done))
+        return _failure(done) or JSONResponse(text.answer(done))
+
+
+def _engine_error(request: EngineRequest) -> str | None:
+    """The message of a sequence the engine ended on a failure (not an abort someone asked for)."""
+    reason = request.finish_reason or {}
+    failed = reason.get("type") == "abort" and (reason.get("status_code") or 0) >= 500
+    return reason.get("message") or "engine error" if failed else None
+
+
+def _failure(done: list[EngineRequest]) -> JSONResponse | None:
+    message = next((m for m in map(_engine_error, done) if m), None)
+    if message is None:
+        return None
+    error = {"message": message, "type": "server_error", "param": None, "code": 500}
+    return JSONResponse({"error": error}, status_code=500)
 
 
 # -- prompts and sequences ----------------------------------------------------------------------
@@ -124,6 +142,12 @@ def render_chat(engine: ReferenceEngine, body: ChatCompletionBody) -> list[int]:
             f"the chat template cannot render these messages: {type(err).__name__}: {err}",
             param="messages",
         ) from None
+    if len(text) > engine.limits.max_text_chars:
+        raise InvalidRequestError(
+            f"the rendered prompt has {len(text)} characters, more than the "
+            f"{engine.limits.max_text_chars} that can fit the context length",
+            param="messages",
+        )
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the messages render to an empty prompt", param="messages")
@@ -157,7 +181,9 @@ def _sequences(
 ) -> ParsedGenerate:
     """`n` sequences per prompt (prompt-major), checked against the engine before queueing."""
     sequences = []
+    count = len(prompts) * body.n
     for prompt in prompts:
+        engine.validate(SequenceSpec("", prompt, SamplingParams(), False))  # the prompt alone
         room = engine.context_length - len(prompt)
         if max_new_tokens is not None and max_new_tokens > room:
             raise InvalidRequestError(
@@ -172,9 +198,8 @@ def _sequences(
                 if params.seed is None
                 else dataclasses.replace(params, seed=params.seed + copy)
             )
-            spec = SequenceSpec("", prompt, seeded, return_logprob, top_logprobs)
-            engine.validate(spec)
-            sequences.append(spec)
+            rid = body.rid if body.rid is None or count == 1 else f"{body.rid}-{len(sequences)}"
+            sequences.append(SequenceSpec(rid or "", prompt, seeded, return_logprob, top_logprobs))
     if len(sequences) > engine.limits.max_sequences:
         raise InvalidRequestError(
             f"{len(prompts)} prompt(s) x n={body.n} is {len(sequences)} sequences, over this "
@@ -221,7 +246,7 @@ async def _updates(engine: ReferenceEngine, parsed: ParsedGenerate, loop) -> Asy
 def _event_stream(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def encoded() -> AsyncIterator[bytes]:
         async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+            yield f"data: {json.dumps(event)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(encoded(), media_type="text/event-stream")
@@ -233,6 +258,8 @@ class _Streamed:
     def __init__(self) -> None:
         self.chars = 0
         self.tokens = 0
+        self.token_chars = 0
+        """Characters of the token texts sent: the next token's legacy text_offset."""
 
     def new_tokens(self, request: EngineRequest) -> range:
         fresh = range(self.tokens, len(request.output_ids))
@@ -321,10 +348,13 @@ class _Chat:
                     yield self._chunk(update.index, {"content": fresh},
                                       logprobs=self._logprobs(request, positions))  # fmt: skip
                 continue
+            if (failure := _engine_error(request)) is not None:
+                yield {"error": {"message": failure, "type": "server_error", "code": 500}}
+                return
             text, parsed = self._output(request)
             calls = parsed.tool_calls if parsed else []
             # What was streamed is a prefix of the final text (stop strings and tags held back).
-            rest = text[: text.index(TOOL_CALL_START)] if calls else text
+            rest = text[: text.index(TOOL_CALL_START)].rstrip() if calls else text
             positions = mine.new_tokens(request)
             if rest[mine.chars :] or (self.body.logprobs and positions):
                 yield self._chunk(update.index, {"content": rest[mine.chars :]},
@@ -347,8 +377,11 @@ class _Chat:
         visible = _safe_prefix(partial, self.engine_stops())
         if self.body.parses_tool_calls:
             if TOOL_CALL_START in visible:
-                return visible[: visible.index(TOOL_CALL_START)]
-            visible = visible[: len(visible) - held_back(visible)]
+                visible = visible[: visible.index(TOOL_CALL_START)]
+            else:
+                visible = visible[: len(visible) - held_back(visible)]
+            # Whitespace before a call is not content: it waits for what follows it.
+            visible = visible.rstrip()
         return visible
 
     def engine_stops(self) -> list[str]:
@@ -394,7 +427,8 @@ class _Text:
     def _logprobs(
         self, request: EngineRequest, positions: range, offset: int
     ) -> dict[str, Any] | None:
-        """The legacy completions shape: parallel lists per token."""
+        """The legacy completions shape: parallel lists per token; `offset` is the first
+        token's position in the text the tokens spell."""
         if self.body.logprobs is None:
             return None
         tokens = [self.engine.token_text(request.output_ids[i]) for i in positions]
@@ -404,10 +438,12 @@ class _Text:
             at += len(token)
         top = None
         if self.body.logprobs:
-            top = [
-                {self.engine.token_text(tid): lp for lp, tid in request.output_top_logprobs[i]}
-                for i in positions
-            ]
+            top = []
+            for i in positions:
+                entries: dict[str, float] = {}  # tokens of the same text: the likeliest stays
+                for lp, tid in request.output_top_logprobs[i]:
+                    entries.setdefault(self.engine.token_text(tid), lp)
+                top.append(entries)
         return {"tokens": tokens, "token_logprobs": [request.output_logprobs[i] for i in positions],
                 "top_logprobs": top, "text_offset": offsets}  # fmt: skip
 
@@ -441,10 +477,16 @@ class _Text:
                 completion_tokens += len(request.output_ids)
             else:
                 text = _safe_prefix(self.engine.decode(request.output_ids), stops)
-            fresh, offset = text[mine.chars :], mine.chars
-            positions = mine.new_tokens(request)
+            if update.finished and (failure := _engine_error(request)) is not None:
+                yield {"error": {"message": failure, "type": "server_error", "code": 500}}
+                return
+            fresh = text[mine.chars :]
+            offset, positions = mine.token_chars, mine.new_tokens(request)
             if fresh or update.finished or (self.body.logprobs is not None and positions):
                 mine.chars += len(fresh)
+                mine.token_chars += sum(
+                    len(self.engine.token_text(request.output_ids[i])) for i in positions
+                )
                 choice = self._choice(
                     update.index, request, fresh, positions, offset, update.finished
                 )

@@ -287,7 +287,13 @@ class Scheduler:
                 except Exception as err:
                     failed[row] = err
         counts = [r.top_logprobs_num for r in requests]
-        tops = top_log_probs(logits, [r.params for r in requests], counts) if any(counts) else None
+        tops = None
+        if any(counts):
+            try:
+                tops = top_log_probs(logits, [r.params for r in requests], counts)
+            except Exception as err:  # only the requests that asked for them fail
+                logger.exception("top log-probs of %d requests failed", sum(map(bool, counts)))
+                failed.update({row: err for row, count in enumerate(counts) if count})
         self.step_seconds["sampling"] += time.perf_counter() - start
         for row, (request, token, log_prob) in enumerate(
             zip(requests, tokens, log_probs, strict=True)
@@ -364,5 +370,10 @@ class Scheduler:
 
 
 def _engine_error(err: Exception) -> dict[str, Any]:
-    """The finish reason of a request that failed inside the engine (SGLang's abort type)."""
-    return {"type": "abort", "message": f"engine error: {type(err).__name__}: {err}"}
+    """The finish reason of a request that failed inside the engine: SGLang's abort type, with
+    the status code SGLang gives a failure (an abort someone asked for has none)."""
+    return {
+        "type": "abort",
+        "message": f"engine error: {type(err).__name__}: {err}",
+        "status_code": 500,
+    }

@@ -64,9 +64,33 @@ async def json_body(request: Request, max_bytes: int | None = None) -> Any:
             raise RequestTooLargeError(f"the body is over --max-request-bytes {max_bytes}")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks) or b"{}")
+        body = json.loads(b"".join(chunks) or b"{}")
     except ValueError as err:  # invalid JSON, or bytes that are not UTF-8
         raise InvalidRequestError(f"the body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise InvalidRequestError("the body is not valid JSON: nested too deeply") from None
+    _check_unicode(body)
+    return body
+
+
+def _check_unicode(body: Any) -> None:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"); such a string is no text a tokenizer
+    or a response can take, so it is refused here instead of failing deep inside."""
+    pending = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    f"the body holds a lone UTF-16 surrogate in {value[:40]!r}; send valid Unicode"
+                ) from None
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(item for item in value if not isinstance(item, int | float))
 
 
 async def until_disconnected(request: Request) -> None:

@@ -45,7 +45,7 @@ class ToolCall:
 @dataclass(frozen=True)
 class ParsedOutput:
     content: str | None
-    """The text outside the calls (before the first one), None when there is none."""
+    """The text before the first call without its trailing whitespace; None when that is empty."""
     tool_calls: list[ToolCall]
 
 
@@ -64,7 +64,8 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> ParsedOutput:
     between = _CALL.sub("", text[matches[0].start() :])
     if between.strip():  # prose after or between the calls: not a well-formed answer
         return ParsedOutput(text, [])
-    content = text[: matches[0].start()].strip()
+    # Trailing whitespace before the first call is not content (a stream holds it back too).
+    content = text[: matches[0].start()].rstrip()
     return ParsedOutput(content or None, calls)
 
 
@@ -85,7 +86,8 @@ def _one_call(body: str, tool_names: set[str]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    encoded = json.dumps(arguments, ensure_ascii=False)
+    # ASCII-escaped: arguments the model wrote may hold a lone surrogate ("\\ud800").
+    encoded = json.dumps(arguments)
     return ToolCall(name=value["name"], arguments=encoded, id=f"call_{uuid.uuid4().hex[:24]}")
 
 
