@@ -221,23 +221,34 @@ class _Update:
 
 
 async def _updates(engine: ReferenceEngine, parsed: ParsedGenerate, loop) -> AsyncIterator[_Update]:
-    """Every sequence's progress after each token, and its end, as they happen. When the reader
-    stops (the client hung up), the sequences still running are aborted."""
-    queue: asyncio.Queue = asyncio.Queue()
-    futures, queued = submit(
-        engine, parsed, loop, lambda i, r: queue.put_nowait(_Update(i, r, False))
-    )
+    """Each sequence's progress and its end, as they happen. Progress is coalesced: a reader
+    slower than the engine gets one update per sequence with everything new since its last one,
+    not a backlog of one per token. When the reader stops (the client hung up), the sequences
+    still running are aborted."""
+    latest: dict[int, _Update] = {}  # per sequence: the newest update not yet read
+    arrived = asyncio.Event()
+
+    def post(update: _Update) -> None:
+        waiting = latest.get(update.index)
+        if waiting is None or not waiting.finished:  # an end is never overwritten
+            latest[update.index] = update
+        arrived.set()
+
+    futures, queued = submit(engine, parsed, loop, lambda i, r: post(_Update(i, r, False)))
     for index, future in enumerate(futures):
-        future.add_done_callback(lambda f, i=index: queue.put_nowait(_Update(i, f.result(), True)))
+        future.add_done_callback(lambda f, i=index: post(_Update(i, f.result(), True)))
     pending = set(range(len(futures)))
     try:
         while pending:
-            update = await queue.get()
-            if update.index not in pending:
-                continue
-            if update.finished:
-                pending.discard(update.index)
-            yield update
+            await arrived.wait()
+            arrived.clear()
+            ready, latest = latest, {}
+            for index in sorted(ready):
+                if index not in pending:
+                    continue
+                if ready[index].finished:
+                    pending.discard(index)
+                yield ready[index]
     finally:
         for index in pending:
             engine.scheduler.abort(rid=queued[index].rid)
