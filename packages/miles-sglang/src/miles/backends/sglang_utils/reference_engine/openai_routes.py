@@ -65,14 +65,7 @@ def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         top = (body.top_logprobs or 0) if body.logprobs else 0
         parsed = _sequences(engine, body, [prompt], body.max_new_tokens, body.logprobs, top)
         chat = _Chat(engine, body, completion_id("chatcmpl"), now())
-        loop = asyncio.get_running_loop()
-        if body.stream:
-            return _event_stream(chat.stream(_updates(engine, parsed, loop)))
-        futures, queued = submit(engine, parsed, loop, None)
-        done = await answers(request, engine, futures, queued)
-        if done is None:
-            return Response(status_code=499)
-        return _failure(done) or JSONResponse(chat.answer(done))
+        return await _respond(request, engine, parsed, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -81,14 +74,21 @@ def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         top = body.logprobs or 0
         parsed = _sequences(engine, body, prompts, body.max_tokens, body.logprobs is not None, top)
         text = _Text(engine, body, completion_id("cmpl"), now(), [len(p) for p in prompts])
-        loop = asyncio.get_running_loop()
-        if body.stream:
-            return _event_stream(text.stream(_updates(engine, parsed, loop)))
-        futures, queued = submit(engine, parsed, loop, None)
-        done = await answers(request, engine, futures, queued)
-        if done is None:
-            return Response(status_code=499)
-        return _failure(done) or JSONResponse(text.answer(done))
+        return await _respond(request, engine, parsed, text)
+
+
+async def _respond(
+    request: Request, engine: ReferenceEngine, parsed: ParsedGenerate, answer: _Chat | _Text
+) -> Response:
+    """Queue the sequences; stream their events, or answer once all are done."""
+    loop = asyncio.get_running_loop()
+    if parsed.stream:
+        return _event_stream(answer.stream(_updates(engine, parsed, loop)))
+    futures, queued = submit(engine, parsed, loop, None)
+    done = await answers(request, engine, futures, queued)
+    if done is None:  # the client hung up: its sequences are aborted
+        return Response(status_code=499)
+    return _failure(done) or JSONResponse(answer.answer(done))
 
 
 def _engine_error(request: EngineRequest) -> str | None:
