@@ -52,9 +52,17 @@ class ChatTemplate:
         template = Path(template_path).read_text() if template_path is not None else None
         return cls(template=template, variables=dict(kwargs))
 
-    def render(self, tokenizer: Any, messages: list[dict[str, Any]], **extra: Any) -> str:
-        """`messages` (and `extra`, e.g. tools) through the template, with the generation prompt."""
+    def render(
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, Any]],
+        *,
+        generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """`messages` (and `extra`, e.g. tools) through the template, by default followed by the
+        generation prompt (the opening of the assistant's turn)."""
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, chat_template=self.template,
-            **{**self.variables, **extra},
+            messages, tokenize=False, add_generation_prompt=generation_prompt,
+            chat_template=self.template, **{**self.variables, **extra},
         )  # fmt: skip
