@@ -9,10 +9,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint, teach
 
 QUESTION = [{"role": "user", "content": "hello there"}]
 ADD_TOOL = {
@@ -260,7 +259,6 @@ def tool_calling_checkpoint(tmp_path_factory) -> Path:
     """The tiny model, trained until it answers both turns of `_conversations` greedily."""
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("tool-model"), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     examples = []
     for messages, answer in _conversations():
         rendered = tokenizer.apply_chat_template(
@@ -268,20 +266,8 @@ def tool_calling_checkpoint(tmp_path_factory) -> Path:
         )
         prompt = tokenizer.encode(rendered, add_special_tokens=False)
         target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-        examples.append((torch.tensor([prompt + target]), len(prompt)))
-    torch.manual_seed(0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(400):
-        loss = 0.0
-        for ids, start in examples:
-            logits = model(input_ids=ids).logits[0, start - 1 : -1]
-            loss = loss + torch.nn.functional.cross_entropy(logits, ids[0, start:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    model.save_pretrained(path)
+        examples.append((prompt + target, range(len(prompt), len(prompt) + len(target))))
+    teach(path, examples)
     return path
 
 

@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles.backends.sglang_utils.reference_engine.tool_calls import (
+from miles.backends.sglang_utils.tool_calls import (
     TOOL_CALL_START,
     held_back,
     parse_tool_calls,

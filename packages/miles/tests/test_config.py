@@ -238,6 +238,9 @@ def test_load_defaults_to_save_and_paths_become_absolute():
             r"--train-call-timeout-s \(600.0\) must exceed --distributed-timeout-s \(600.0\)",
         ),
         (["--rollout-manager-timeout-s", "0"], "--rollout-manager-timeout-s must be a positive"),
+        (["--max-turns", "0"], r"--max-turns \(0\) must be at least 1"),
+        (["--tool-timeout-s", "0"], r"--tool-timeout-s \(0.0\) must be positive"),
+        (["--tool-paths", "no_colon"], "--tool-paths"),
         (
             ["--apply-chat-template-kwargs", "[1]"],
             "--apply-chat-template-kwargs: expected a JSON object",

@@ -152,6 +152,33 @@ def test_template_variables_and_a_template_file_shape_the_prompts(tmp_path, toke
     assert own[0].prompt == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_rows_keep_their_messages_and_tools_for_multi_turn_rollouts(tmp_path, tokenizer):
+    from miles.rollout.data_source import RolloutDataSource
+
+    rows = [{"input": "2+3?", "label": "5", "tools": ["add"]},
+            {"input": [{"role": "user", "content": "hi"}], "label": "x", "tools": []}]  # fmt: skip
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    dataset = load(path, tokenizer, apply_chat_template=True, tool_key="tools")
+    assert dataset[0].messages == [{"role": "user", "content": "2+3?"}] and dataset[0].tools == [
+        "add"
+    ]
+    config = DataSourceConfig(prompt_data=str(path), apply_chat_template=True, tool_key="tools",
+                              n_samples_per_prompt=2, rollout_shuffle=False)  # fmt: skip
+    (first, second) = RolloutDataSource(dataset, config).get_samples(2)
+    assert [s.metadata["tools"] for s in first] == [["add"], ["add"]]
+    assert (
+        second[0].messages == [{"role": "user", "content": "hi"}]
+        and second[0].metadata["tools"] == []
+    )
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"input": "q", "label": "x"}])
+    assert load(plain, tokenizer)[0].messages is None  # plain text prompts have no messages
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input": "q", "label": "x", "tools": "add"}])
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl:1, column 'tools' \(--tool-key\) must be a list"
+    ):
+        load(bad, tokenizer, apply_chat_template=True, tool_key="tools")
+
+
 def test_a_row_the_template_cannot_render_is_named(tmp_path, tokenizer):
     template = tmp_path / "strict.jinja"
     template.write_text(

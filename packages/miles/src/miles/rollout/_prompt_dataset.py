@@ -48,6 +48,9 @@ class DataSourceConfig:
     chat_template_path: str | None = None
     """A Jinja chat template file, used instead of the tokenizer's own; needs
     --apply-chat-template."""
+    tool_key: str | None = None
+    """Column holding each row's tools: a list of names of --tool-paths functions (for
+    miles.rollout.tool_rollout); None: every row may call every tool."""
     rollout_max_prompt_len: int | None = None
     """Drop prompts longer than this many tokens (after rendering); None keeps all (prompts
     that fill the model's whole context are always dropped: nothing could be generated)."""
@@ -102,6 +105,10 @@ class PromptRecord:
     """Ground truth for the reward function; non-string labels are JSON-encoded."""
     metadata: dict[str, Any]
     """The row's metadata dict; samples get a deep copy."""
+    messages: list[dict[str, Any]] | None = None
+    """The chat messages `prompt` was rendered from (None without --apply-chat-template)."""
+    tools: list[str] | None = None
+    """The names of the tools this row's rollout may call (--tool-key)."""
 
 
 class PromptDataset:
@@ -140,11 +147,17 @@ class PromptDataset:
             else table[_require_column(config.label_key, "--label-key", config, columns)]
         )
         metadata = _metadata_column(table, config, columns)
+        tools = (
+            [None] * len(inputs)
+            if config.tool_key is None
+            else table[_require_column(config.tool_key, "--tool-key", config, columns)]
+        )
 
         template = config.chat_template if config.apply_chat_template else None
+        chats = [_messages(where[row], value, config) for row, value in enumerate(inputs)]
         prompts = [
-            _render(where[row], value, config, tokenizer, template)
-            for row, value in enumerate(inputs)
+            _render(where[row], value, chat, tokenizer, template)
+            for row, (value, chat) in enumerate(zip(inputs, chats, strict=True))
         ]
         # A chat template writes its own special tokens (BOS included, where the model has one);
         # plain text gets the tokenizer's usual ones, as an engine given the text would add.
@@ -180,6 +193,8 @@ class PromptDataset:
                     prompt_ids=list(prompt_ids),
                     label=_label_text(labels[row]),
                     metadata=_metadata_dict(where[row], metadata[row], config),
+                    messages=chats[row],
+                    tools=_tool_names(where[row], tools[row], config),
                 )
             )
         self.dropped = len(prompts) - len(self._records)
@@ -307,38 +322,53 @@ def _metadata_column(
     return table[_require_column(key, "--metadata-key", config, columns)]
 
 
-def _render(
-    location: str,
-    value: Any,
-    config: DataSourceConfig,
-    tokenizer: Any,
-    template: ChatTemplate | None,
-) -> str:
-    """The prompt text of one row: the string itself, or its messages through the chat template."""
+def _messages(location: str, value: Any, config: DataSourceConfig) -> list[dict] | None:
+    """The row's prompt as chat messages (a string becomes one user message); None when it is
+    used as plain text (no --apply-chat-template)."""
     where = f"{location}, column {config.input_key!r}"
     if isinstance(value, str):
-        if not config.apply_chat_template:
-            return value
-        messages = [{"role": "user", "content": value}]
-    elif isinstance(value, list) and all(_is_message(m) for m in value) and value:
+        return [{"role": "user", "content": value}] if config.apply_chat_template else None
+    if isinstance(value, list) and all(_is_message(m) for m in value) and value:
         if not config.apply_chat_template:
             raise ValueError(
                 f"{where} holds chat messages, which need a chat template to become a prompt; "
                 "pass --apply-chat-template"
             )
-        messages = value
-    else:
-        raise ValueError(
-            f"{where} must be a string or a non-empty list of {{'role': str, 'content': str}} "
-            f"messages, got {_describe(value)}"
-        )
+        return value
+    raise ValueError(
+        f"{where} must be a string or a non-empty list of {{'role': str, 'content': str}} "
+        f"messages, got {_describe(value)}"
+    )
+
+
+def _render(
+    location: str,
+    value: Any,
+    messages: list[dict] | None,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+) -> str:
+    """The prompt text of one row: the string itself, or its messages through the chat template."""
+    if messages is None:
+        return value
     assert template is not None  # set whenever apply_chat_template is
     try:
         return template.render(tokenizer, messages)
     except Exception as err:  # jinja's errors, the template's own raise_exception
         raise ValueError(
-            f"{where}: the chat template cannot render this row: {type(err).__name__}: {err}"
+            f"{location}: the chat template cannot render this row: {type(err).__name__}: {err}"
         ) from None
+
+
+def _tool_names(location: str, value: Any, config: DataSourceConfig) -> list[str] | None:
+    if config.tool_key is None:
+        return None
+    if not (isinstance(value, list) and all(isinstance(name, str) for name in value)):
+        raise ValueError(
+            f"{location}, column {config.tool_key!r} (--tool-key) must be a list of tool names, "
+            f"got {_describe(value)}"
+        )
+    return list(value)
 
 
 def _is_message(value: Any) -> bool:

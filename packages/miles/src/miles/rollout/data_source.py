@@ -113,6 +113,9 @@ class RolloutDataSource:
         group_index = self._next_group_index
         self._next_group_index += 1
         group = []
+        metadata = record.metadata
+        if record.tools is not None:  # --tool-key: what this row's rollout may call
+            metadata = {**metadata, "tools": record.tools}
         for _ in range(self._config.n_samples_per_prompt):
             group.append(
                 Sample(
@@ -122,7 +125,8 @@ class RolloutDataSource:
                     tokens=list(record.prompt_ids),
                     response_length=0,
                     label=record.label,
-                    metadata=copy.deepcopy(record.metadata),
+                    metadata=copy.deepcopy(metadata),
+                    messages=copy.deepcopy(record.messages),
                 )
             )
             self._next_sample_index += 1

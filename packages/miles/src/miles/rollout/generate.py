@@ -96,15 +96,18 @@ async def generate_groups(
     config: RolloutConfig,
     *,
     rollout_id: int,
+    generate_fn: GenerateFunction | None = None,
 ) -> RolloutOutput:
     """Generate rollout `rollout_id`: exactly `config.rollout_batch_size` scored, kept groups.
 
     Groups come back in submission (prompt) order, not completion order, so that the training
-    batch does not depend on which request happened to finish first.
+    batch does not depend on which request happened to finish first. `generate_fn` makes each
+    sample (default: --custom-generate-function-path, else one /generate call).
     """
-    generate_fn: GenerateFunction = generate_sample
-    if config.custom_generate_function_path:
-        generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
+    if generate_fn is None:
+        generate_fn = generate_sample
+        if config.custom_generate_function_path:
+            generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
     group_filter = None
     if config.dynamic_sampling_filter_path:
         group_filter = resolve_filter(config.dynamic_sampling_filter_path)

@@ -54,6 +54,15 @@ class RolloutConfig:
     rollout_seed: int = 42
     """--rollout-seed: seeds the prompt order and every request's sampler (`sampling_seed`), so
     a resumed run samples what the uninterrupted one would have."""
+    tool_paths: list[str] | None = None
+    """--tool-paths: "pkg.mod:fn" functions the policy may call in a multi-turn rollout
+    (--rollout-function-path miles.rollout.tool_rollout:generate_tool_rollout); each parameter
+    annotated with int, float, str, bool, list or dict."""
+    max_turns: int = 4
+    """--max-turns: model turns of one multi-turn sample; a sample still calling tools after the
+    last is truncated."""
+    tool_timeout_s: float = 10.0
+    """--tool-timeout-s: how long one tool call may take; past it the model reads an error."""
 
     def __post_init__(self) -> None:
         for flag, value, least in (
@@ -61,9 +70,14 @@ class RolloutConfig:
             ("--n-samples-per-prompt", self.n_samples_per_prompt, 1),
             ("--rollout-max-response-len", self.rollout_max_response_len, 1),
             ("--rollout-concurrency", self.rollout_concurrency, 1),
+            ("--max-turns", self.max_turns, 1),
         ):
             if value < least:
                 raise ValueError(f"{flag} ({value}) must be at least {least}")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"--tool-timeout-s ({self.tool_timeout_s}) must be positive")
+        for path in self.tool_paths or []:
+            split_import_path(path, "--tool-paths")
         if self.rollout_temperature < 0:
             raise ValueError(
                 f"--rollout-temperature ({self.rollout_temperature}) must be >= 0 (0 is greedy)"

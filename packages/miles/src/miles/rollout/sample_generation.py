@@ -79,12 +79,12 @@ def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
         # A resumed sample may span weight updates: training sees the latest version, the
         # metadata keeps every version that contributed tokens, oldest first.
         sample.metadata.setdefault("weight_versions", []).append(version)
-        sample.weight_version = _as_int(version)
+        sample.weight_version = as_weight_version(version)
     sample.validate()
     return sample
 
 
-def _as_int(version: Any) -> int | None:
+def as_weight_version(version: Any) -> int | None:
     """SGLang reports versions as strings ("3"); a non-numeric one (SGLang's "default") is None."""
     try:
         return int(version)

@@ -90,6 +90,35 @@ def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides
     return path
 
 
+def teach(
+    path: str | Path, examples: list[tuple[list[int], range]], *, max_steps: int = 400
+) -> None:
+    """Train the checkpoint at `path` in place until it writes each example's `ids[span]`
+    greedily after what precedes it (a tiny model that makes a tool call, say, for a test).
+    Each example is (ids, span): the positions of `ids` the model must predict."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    batches = []
+    for ids, span in examples:
+        if span.start < 1 or span.stop > len(ids):
+            raise ValueError(f"span {span} of {len(ids)} ids: predict positions 1..{len(ids) - 1}")
+        batches.append((torch.tensor([ids]), span))
+    for _ in range(max_steps):
+        loss = sum(
+            torch.nn.functional.cross_entropy(
+                model(input_ids=ids).logits[0, span.start - 1 : span.stop - 1], ids[0, span]
+            )
+            for ids, span in batches
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    model.save_pretrained(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m miles.backends.sglang_utils.tiny_checkpoint OUT [--seed N] [--hidden-size ...]`."""
     import argparse

@@ -59,6 +59,9 @@ class Sample:
     """1 for response tokens trained on, 0 for the rest (e.g. tool output); None means all ones."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data for custom rollout and reward functions."""
+    messages: list[dict[str, Any]] | None = None
+    """The prompt as chat messages, when a chat template rendered it: what a multi-turn rollout
+    continues the conversation from."""
     weight_version: int | None = None
     """The engine's weight version that generated the response (architecture.md: "Contracts /
     Weight sync")."""

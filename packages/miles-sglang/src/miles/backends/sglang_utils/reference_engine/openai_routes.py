@@ -38,7 +38,7 @@ from miles.backends.sglang_utils.reference_engine.sampling import (
 )
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.serving import answers, json_body, submit
-from miles.backends.sglang_utils.reference_engine.tool_calls import (
+from miles.backends.sglang_utils.tool_calls import (
     TOOL_CALL_START,
     held_back,
     parse_tool_calls,

@@ -1,0 +1,208 @@
+"""Multi-turn rollouts with tools: the model answers, calls tools in Qwen's `<tool_call>` format,
+reads their results and answers again, up to --max-turns, and the whole exchange is one sample.
+
+Select it with `--rollout-function-path miles.rollout.tool_rollout:generate_tool_rollout`, with
+`--tool-paths` (the functions), `--apply-chat-template` (the chat the tools are shown in), and
+optionally `--tool-key` (each row's own tools). The sample is token-exact (architecture.md:
+"Agentic rollouts"): its tokens are the ids the engine read and wrote, the model's completions
+are trained on and the tool results between them are not. Its `response` is the last answer,
+which the reward scores; `metadata` counts turns, calls, failed calls by kind, and the turns a
+fresh rendering of the chat would have written differently (`template_mismatches`).
+
+A sample aborted part-way (a weight update with --partial-rollout) starts its exchange again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from miles.backends.sglang_utils.tool_calls import parse_tool_calls
+from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.rollout.chat_turns import ChatTurns
+from miles.rollout.engine_pool import EnginePool
+from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
+from miles.rollout.sample_generation import as_weight_version
+from miles.rollout.tools import Tool, call_tool, load_tools
+from miles.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from miles.config.schema import MilesConfig
+
+_FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+FAILURES = ("unknown tool", "bad arguments", "raised", "timeout")
+
+
+async def generate_tool_rollout(
+    rollout_id: int,
+    *,
+    pool: EnginePool,
+    data_source: DataSource,
+    score_groups: ScoreGroups,
+    config: MilesConfig,
+) -> RolloutOutput:
+    """A rollout function (--rollout-function-path): `generate_groups` with each sample made by
+    `ToolAgent.generate`, and the agent's counts added to the rollout's metrics."""
+    agent = ToolAgent.for_run(config)
+    output = await generate_groups(
+        pool, data_source, score_groups, config.rollout, rollout_id=rollout_id,
+        generate_fn=agent.generate,
+    )  # fmt: skip
+    output.metrics.update(agent_metrics([s for group in output.groups for s in group]))
+    return output
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    count = max(len(samples), 1)
+    totals = Counter()
+    for sample in samples:
+        totals.update(
+            {k: sample.metadata.get(k, 0) for k in ("turns", "tool_calls", "template_mismatches")}
+        )
+        totals.update(sample.metadata.get("tool_failures", {}))
+    metrics = {f"rollout/{k}_mean": totals[k] / count for k in ("turns", "tool_calls")}
+    metrics["rollout/template_mismatch_turns"] = float(totals["template_mismatches"])
+    for kind in FAILURES:
+        metrics[f"rollout/tool_failures/{kind.replace(' ', '_')}"] = float(totals[kind])
+    return metrics
+
+
+class ToolAgent:
+    """Everything a multi-turn sample needs: the tokenizer and chat template of the run, the
+    tools, the turn and time bounds."""
+
+    def __init__(self, tokenizer: Any, template: Any, tools: dict[str, Tool], *,
+                 max_turns: int, timeout_s: float) -> None:  # fmt: skip
+        self.tokenizer, self.template, self.tools = tokenizer, template, tools
+        self.max_turns, self.timeout_s = max_turns, timeout_s
+
+    @classmethod
+    def for_run(cls, config: MilesConfig) -> ToolAgent:
+        if not config.rollout.tool_paths:
+            raise ValueError(
+                "miles.rollout.tool_rollout needs --tool-paths: the functions the policy may call"
+            )
+        if not config.data.apply_chat_template:
+            raise ValueError(
+                "miles.rollout.tool_rollout shows the tools through the chat template: pass "
+                "--apply-chat-template"
+            )
+        return cls(
+            _tokenizer(config.checkpoint.hf_checkpoint),
+            config.data.chat_template,
+            _tools(tuple(config.rollout.tool_paths)),
+            max_turns=config.rollout.max_turns,
+            timeout_s=config.rollout.tool_timeout_s,
+        )
+
+    def _offered(self, sample: Sample) -> dict[str, Tool]:
+        names = sample.metadata.get("tools")
+        if names is None:
+            return self.tools
+        unknown = sorted(set(names) - set(self.tools))
+        if unknown:
+            raise ValueError(
+                f"sample {sample.index} (prompt {sample.group_index}) offers tools {unknown} that "
+                f"--tool-paths does not define (it has {sorted(self.tools)}); fix the --tool-key "
+                "column or add them"
+            )
+        return {name: self.tools[name] for name in names}
+
+    async def generate(self, pool: EnginePool, sample: Sample, params: dict[str, Any]) -> Sample:
+        """The exchange for one sample (a GenerateFunction)."""
+        if sample.messages is None:
+            raise ValueError(
+                f"sample {sample.index} has no chat messages: pass --apply-chat-template"
+            )
+        offered = self._offered(sample)
+        chat = ChatTurns(self.tokenizer, self.template, [t.spec for t in offered.values()] or None)
+        conversation = list(sample.messages)
+        trajectory = Trajectory(chat.first(conversation))
+        budget, status, answer = params["max_new_tokens"], SampleStatus.TRUNCATED, ""
+        failures: Counter = Counter()
+        calls_made = mismatches = 0
+        for turn in range(self.max_turns):
+            left = budget - len(trajectory.response_ids)
+            if left <= 0:
+                break
+            turn_params = {**params, "max_new_tokens": left}
+            if params.get("sampling_seed") is not None:
+                turn_params["sampling_seed"] = params["sampling_seed"] + turn
+            response = await pool.generate(
+                {
+                    "input_ids": trajectory.ids,
+                    "sampling_params": turn_params,
+                    "return_logprob": True,
+                }
+            )
+            ids, log_probs = _completion(response)
+            trajectory.add_completion(ids, log_probs)
+            meta = response.get("meta_info") or {}
+            sample.weight_version = as_weight_version(meta.get("weight_version"))
+            answer = response.get("text") or ""
+            status = _FINISH_STATUS.get(
+                (meta.get("finish_reason") or {}).get("type"), SampleStatus.COMPLETED
+            )
+            calls = (
+                parse_tool_calls(answer, set(offered)).tool_calls
+                if status == SampleStatus.COMPLETED
+                else []
+            )
+            conversation.append(_assistant_message(answer, calls))
+            mismatches += not chat.matches_template(
+                conversation[:-1], trajectory.ids[: -len(ids) or None]
+            )
+            if not calls:
+                break
+            if turn == self.max_turns - 1:
+                status = SampleStatus.TRUNCATED  # still calling tools when the turns ran out
+                break
+            results = [await call_tool(offered, c.name, c.arguments, self.timeout_s) for c in calls]
+            calls_made += len(calls)
+            failures.update(r.failure for r in results if r.failure)
+            replies = [{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r.text}
+                       for c, r in zip(calls, results, strict=True)]  # fmt: skip
+            context = chat.after(ids, replies)
+            if len(trajectory.response_ids) + len(context) >= budget:
+                status = SampleStatus.TRUNCATED  # no room left to answer the results
+                break
+            trajectory.add_context(context)
+            conversation += replies
+        trajectory.fill(sample)
+        sample.response, sample.status = answer, status
+        sample.metadata.update(
+            turns=trajectory.completions, tool_calls=calls_made, tool_failures=dict(failures),
+            template_mismatches=mismatches,
+        )  # fmt: skip
+        return sample
+
+
+def _completion(response: dict[str, Any]) -> tuple[list[int], list[float]]:
+    entries = (response.get("meta_info") or {}).get("output_token_logprobs")
+    if entries is None:
+        raise ValueError("the engine's /generate answer has no meta_info.output_token_logprobs")
+    ids = [int(t) for t in response.get("output_ids", [e[1] for e in entries])]
+    return ids, [float(e[0]) for e in entries]
+
+
+def _assistant_message(text: str, calls: list) -> dict[str, Any]:
+    if not calls:
+        return {"role": "assistant", "content": text}
+    content = text[: text.index("<tool_call>")].rstrip()
+    tool_calls = [{"id": c.id, "type": "function",
+                   "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]  # fmt: skip
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}
+
+
+@functools.cache
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer  # the rollout manager has imported it for its data
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@functools.cache
+def _tools(paths: tuple[str, ...]) -> dict[str, Tool]:
+    return load_tools(list(paths))

@@ -1,0 +1,182 @@
+"""Multi-turn rollouts with tools: the tool registry, calls that fail without failing the rollout,
+and a whole two-turn exchange against a real engine with a model trained to call a tool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint, teach
+from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.rollout.chat_template import ChatTemplate
+from miles.rollout.chat_turns import ChatTurns
+from miles.rollout.engine_pool import EnginePool
+from miles.rollout.tool_rollout import ToolAgent, agent_metrics
+from miles.rollout.tools import call_tool, load_tools
+
+from .conftest import running_engine
+
+
+@pytest.fixture(autouse=True)
+def tool_functions_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+def test_a_tools_spec_comes_from_its_name_docstring_and_signature():
+    (tool,) = load_tools(["tool_fns:add"]).values()
+    assert tool.spec == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        (["tool_fns:untyped"], "parameter 'x' needs one of the annotations"),
+        (["tool_fns:add", "tool_fns:add"], "two tools are named 'add'"),
+        (["tool_fns:nothing"], "--tool-paths"),
+    ],
+)
+def test_an_unusable_tool_is_refused_naming_it(paths, message):
+    with pytest.raises((ValueError, ImportError), match=message):
+        load_tools(paths)
+
+
+def test_a_failing_call_is_an_error_for_the_model_not_the_rollout():
+    tools = load_tools(["tool_fns:add", "tool_fns:explode", "tool_fns:hang", "tool_fns:wait"])
+
+    def call(name: str, arguments: dict | str) -> tuple[str, str | None]:
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        result = asyncio.run(call_tool(tools, name, text, timeout_s=0.3))
+        return result.text, result.failure
+
+    assert call("add", {"a": 2, "b": 3}) == ("5", None)
+    assert call("explode", {"reason": "no"}) == ("error: explode raised RuntimeError: no", "raised")
+    assert call("hang", {"seconds": 2}) == ("error: hang did not answer within 0.3 s", "timeout")
+    assert call("wait", {"seconds": 2}) == ("error: wait did not answer within 0.3 s", "timeout")
+    assert call("add", {"a": 1})[1] == "bad arguments"  # b is missing
+    assert call("add", "[1, 2]")[1] == "bad arguments"
+    assert call("add", "{broken")[1] == "bad arguments"
+    assert call("rm", {})[1] == "unknown tool"
+
+
+# -- a whole exchange ---------------------------------------------------------------------------
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ANSWER = "It is 5."
+
+
+def _exchange(tokenizer, chat: ChatTurns) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The token-exact exchange the model is trained to produce: prompt, call, result, answer."""
+    eos = tokenizer.eos_token_id
+    prompt = chat.first(QUESTION)
+    call = [*chat.encode(CALL), eos]
+    result = chat.after(call, [{"role": "tool", "name": "add", "content": "5"}])
+    answer = [*chat.encode(ANSWER), eos]
+    return prompt, call, result, answer
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    """The tiny model, trained until it makes both turns of the exchange greedily."""
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("tool-model"), seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    specs = [tool.spec for tool in load_tools(["tool_fns:add"]).values()]
+    prompt, call, result, answer = _exchange(tokenizer, ChatTurns(tokenizer, ChatTemplate(), specs))
+    whole = prompt + call + result + answer
+    turn_two = len(prompt) + len(call) + len(result)
+    teach(path, [(whole, range(len(prompt), len(prompt) + len(call))),
+                 (whole, range(turn_two, len(whole)))])  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tool_model):
+    with running_engine(tool_model) as url:
+        yield url
+
+
+def _agent(tool_model) -> tuple[ToolAgent, ChatTurns]:
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    tools = load_tools(["tool_fns:add"])
+    agent = ToolAgent(tokenizer, ChatTemplate(), tools, max_turns=3, timeout_s=5.0)
+    return agent, ChatTurns(tokenizer, ChatTemplate(), [t.spec for t in tools.values()])
+
+
+def test_a_two_turn_exchange_is_one_token_exact_sample(tool_model, tool_engine):
+    agent, chat = _agent(tool_model)
+    prompt, call, result, answer = _exchange(agent.tokenizer, chat)
+
+    async def run() -> Sample:
+        async with EnginePool([tool_engine]) as pool:
+            sample = Sample(index=0, group_index=0, messages=QUESTION, tokens=[1])
+            return await agent.generate(pool, sample, {"temperature": 0.0, "max_new_tokens": 200})
+
+    sample = asyncio.run(run())
+    assert sample.status == SampleStatus.COMPLETED and sample.response == ANSWER
+    assert sample.tokens == prompt + call + result + answer  # the engine's ids, nothing else
+    assert sample.loss_mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert len(sample.rollout_log_probs) == sample.response_length
+    assert sample.metadata["turns"] == 2 and sample.metadata["tool_calls"] == 1
+    assert sample.metadata["tool_failures"] == {}
+    # A fresh rendering of the chat drops the <|endoftext|> the model wrote after its call: the
+    # sample keeps it, and the turn is counted.
+    assert sample.metadata["template_mismatches"] == 1
+
+
+class _Questions:
+    """A data source of one repeated chat prompt."""
+
+    def __init__(self, n_samples: int) -> None:
+        self.n_samples, self.served = n_samples, 0
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        groups = []
+        for _ in range(num_prompts):
+            group = self.served
+            groups.append([Sample(index=group * self.n_samples + i, group_index=group,
+                                  messages=QUESTION, tokens=[1]) for i in range(self.n_samples)])  # fmt: skip
+            self.served += 1
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        raise AssertionError("nothing is left over in this rollout")
+
+
+def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engine):
+    from miles.rollout.generate import RolloutConfig, generate_groups
+
+    agent, _ = _agent(tool_model)
+    config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2,
+                           rollout_max_response_len=200, rollout_temperature=0.0)  # fmt: skip
+
+    async def score(groups: list[list[Sample]]) -> None:
+        for sample in (s for group in groups for s in group):
+            sample.reward = float(sample.response == ANSWER)
+
+    async def run():
+        async with EnginePool([tool_engine]) as pool:
+            return await generate_groups(pool, _Questions(2), score, config, rollout_id=0,
+                                         generate_fn=agent.generate)  # fmt: skip
+
+    output = asyncio.run(run())
+    samples = [s for group in output.groups for s in group]
+    assert len(samples) == 4 and all(s.reward == 1.0 for s in samples)
+    metrics = agent_metrics(samples)
+    assert metrics["rollout/turns_mean"] == 2.0 and metrics["rollout/tool_calls_mean"] == 1.0
+    assert metrics["rollout/tool_failures/timeout"] == 0.0
+    assert metrics["rollout/template_mismatch_turns"] == 4.0
