@@ -59,6 +59,8 @@ def test_a_malformed_or_unoffered_call_leaves_the_whole_output_as_text():
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         '<tool_call>{"name": "add", "arguments": "[1]"}</tool_call>',  # arguments not an object
         good + " and then some prose",  # text after the calls
+        "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",  # nested past the recursion limit
+        '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',  # half a pair
     ]
     for text in cases:
         parsed = parse_tool_calls(text, {"add"})

@@ -179,4 +179,55 @@ def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engi
     metrics = agent_metrics(samples)
     assert metrics["rollout/turns_mean"] == 2.0 and metrics["rollout/tool_calls_mean"] == 1.0
     assert metrics["rollout/tool_failures/timeout"] == 0.0
-    assert metrics["rollout/template_mismatch_turns"] == 4.0
+    assert metrics["rollout/template_mismatches_mean"] == 1.0
+
+
+class _ScriptedPool:
+    """An engine pool that answers each /generate from a script (a dict, or an error to raise)."""
+
+    def __init__(self, script: list) -> None:
+        self.script, self.prompts = list(script), []
+
+    async def generate(self, payload: dict) -> dict:
+        self.prompts.append(payload["input_ids"])
+        answer = self.script.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def _answer(tokenizer, text: str, finish: str = "stop") -> dict:
+    ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    meta = {"finish_reason": {"type": finish}, "weight_version": "3",
+            "output_token_logprobs": [[-0.1, i, None] for i in ids]}  # fmt: skip
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def test_an_aborted_exchange_is_handed_back_to_start_again_and_a_refused_turn_truncates(
+    tiny_checkpoint,
+):
+    from miles.backends.sglang_utils.client import EngineError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    agent = ToolAgent(tokenizer, ChatTemplate(), load_tools(["tool_fns:add"]), max_turns=3,
+                      timeout_s=5.0)  # fmt: skip
+    params = {"temperature": 1.0, "max_new_tokens": 300, "sampling_seed": 7}
+
+    def run(script: list) -> tuple[Sample, _ScriptedPool]:
+        pool = _ScriptedPool(script)
+        sample = Sample(index=0, group_index=0, messages=QUESTION, tokens=[1])
+        return asyncio.run(agent.generate(pool, sample, params)), pool
+
+    aborted, _ = run([_answer(tokenizer, CALL), _answer(tokenizer, "It i", finish="abort")])
+    assert aborted.status == SampleStatus.ABORTED and aborted.response_length == 0
+    assert aborted.rollout_log_probs is None and aborted.loss_mask is None  # ready to restart
+
+    refused, pool = run([_answer(tokenizer, CALL), EngineError("u", "/generate", 400, "too long")])
+    assert (
+        refused.status == SampleStatus.TRUNCATED
+        and "too long" in refused.metadata["engine_refusal"]
+    )
+    assert refused.weight_version == 3 and refused.metadata["tool_calls"] == 1
+    assert refused.loss_mask[: len(pool.prompts[1]) - len(pool.prompts[0])].count(0) > 0  # result
+    with pytest.raises(EngineError):  # the first prompt not fitting is the data's fault: loud
+        run([EngineError("u", "/generate", 400, "prompt too long")])

@@ -98,16 +98,53 @@ def test_a_turn_the_model_did_not_end_is_closed_before_the_next(tokenizer):
     assert after == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_template_whose_earlier_turns_depend_on_later_ones_is_refused(tokenizer):
-    counting = ChatTemplate(
+def test_earlier_turns_written_otherwise_later_are_kept_as_sampled_and_counted(tokenizer):
+    # Qwen3 writes an empty thinking block into the last answer only, and a header here counts
+    # the messages: both change text before the new turn, which stays as it was recorded.
+    shifting = ChatTemplate(
         template=(
-            "{{ messages | length }} messages\n{% for m in messages %}{{ m['content'] }}\n"
-            "{% endfor %}"
+            "{{ messages | length }} messages\n{% for m in messages %}"
+            "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+            "{{ m['content'] }}<|im_end|>{% endfor %}"
         )
     )
-    chat = ChatTurns(tokenizer, counting)
-    with pytest.raises(ValueError, match="writes earlier turns differently"):
-        chat.after(chat.encode("x"), [{"role": "user", "content": "y"}])
+    chat = ChatTurns(tokenizer, shifting)
+    messages = [{"role": "user", "content": "q"}]
+    trajectory = Trajectory(chat.first(messages))
+    completion = [*chat.encode("a"), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trajectory.add_completion(completion, [0.0] * len(completion))
+    trajectory.add_context(chat.after(completion, [{"role": "user", "content": "r"}]))
+    assert tokenizer.decode(trajectory.ids) == "1 messages\nq<|im_end|>a<|im_end|>r<|im_end|>"
+    messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
+    assert not chat.matches_template(messages, trajectory.ids)
+
+
+def test_a_template_that_ends_turns_otherwise_once_followed_is_refused_at_once(tokenizer):
+    ragged = ChatTemplate(
+        template="{% for m in messages %}{{ m['content'] }}{{ '.' if loop.last else ';' }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="does not end an assistant turn the same way"):
+        ChatTurns(tokenizer, ragged)
+
+
+def test_a_special_token_inside_the_turn_end_closes_it_once(tokenizer):
+    # Llama 2 ends a turn with " </s>": the model's </s> is that end, not text before another.
+    spaced = ChatTemplate(
+        template=(
+            "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} <|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}"
+        )
+    )
+    chat = ChatTurns(tokenizer, spaced)
+    assert chat.turn_end == " <|endoftext|>"
+    ended = [*chat.encode("hi "), tokenizer.eos_token_id]
+    assert tokenizer.decode(chat.after(ended, [{"role": "user", "content": "more"}])) == (
+        "[user] more <|endoftext|>[assistant] "
+    )
+    cut = chat.encode("hi>")  # cut off: a character of the turn end is not the end
+    assert tokenizer.decode(chat.after(cut, [{"role": "user", "content": "more"}])) == (
+        " <|endoftext|>[user] more <|endoftext|>[assistant] "
+    )
 
 
 def test_context_needs_a_completion_first_and_log_probs_match_the_ids():

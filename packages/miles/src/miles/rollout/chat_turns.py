@@ -38,6 +38,8 @@ class ChatTurns:
             )
         self.turn_end = self._closed[self._closed.rindex(_MARK) + len(_MARK) :]
         """What the template writes after an assistant turn's content (e.g. "<|im_end|>\\n")."""
+        # A template that cannot continue a chat fails here, at the start, not in a rollout.
+        self.after([], [{"role": "tool" if tools else "user", "content": _MARK}])
 
     def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
@@ -46,7 +48,9 @@ class ChatTurns:
         )
 
     def encode(self, text: str) -> list[int]:
-        # The template writes its own special tokens, as the data source's prompts do.
+        # The template writes its own special tokens, as the data source's prompts do. Half a
+        # UTF-16 pair (a tool may echo one) has no UTF-8: it is written as U+FFFD.
+        text = text.encode("utf-8", "replace").decode("utf-8")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def first(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -60,17 +64,29 @@ class ChatTurns:
         if not new_messages:
             raise ValueError("a new turn needs at least one new message (a tool result, a user's)")
         opened = self._render([*self._base, *new_messages], generation_prompt=True)
-        if not opened.startswith(self._closed):
+        # What follows the assistant's content. Only that is new: what precedes it may be written
+        # otherwise now that it is no longer the last turn (Qwen3 drops the empty thinking block
+        # of earlier answers), but those are ids already recorded, never rendered again.
+        at = opened.find(_MARK, opened.find(_MARK) + len(_MARK))
+        tail = opened[at + len(_MARK) :] if at >= 0 else ""
+        if at < 0 or not tail.startswith(self.turn_end):
             raise ValueError(
-                "the chat template writes earlier turns differently once new messages follow, so "
-                "a conversation cannot grow token by token with it; use a template whose earlier "
-                "turns do not depend on later ones (--chat-template-path)"
+                "the chat template does not end an assistant turn the same way once new messages "
+                "follow it, so a conversation cannot grow token by token with it; use another "
+                "template (--chat-template-path)"
             )
+        return self.encode(self._closing(completion_ids) + tail[len(self.turn_end) :])
+
+    def _closing(self, completion_ids: list[int]) -> str:
+        """What of the template's turn end the completion did not write: what follows its last
+        token where that is a special token the turn end holds (Qwen's <|im_end|>, Llama's
+        </s>), else all of it (the model was cut off, or ended with another token)."""
+        if not completion_ids or completion_ids[-1] not in set(self.tokenizer.all_special_ids):
+            return self.turn_end
         last = self.tokenizer.decode(completion_ids[-1:], skip_special_tokens=False)
-        closing = self.turn_end[len(last) :] if last and self.turn_end.startswith(last) else None
-        return self.encode(
-            (self.turn_end if closing is None else closing) + opened[len(self._closed) :]
-        )
+        if last not in self.turn_end:
+            return self.turn_end
+        return self.turn_end[self.turn_end.index(last) + len(last) :]
 
     def matches_template(self, messages: list[dict[str, Any]], ids: list[int]) -> bool:
         """Whether rendering all of `messages` afresh (with the generation prompt) gives `ids`:

@@ -9,16 +9,20 @@ are trained on and the tool results between them are not. Its `response` is the 
 which the reward scores; `metadata` counts turns, calls, failed calls by kind, and the turns a
 fresh rendering of the chat would have written differently (`template_mismatches`).
 
-A sample aborted part-way (a weight update with --partial-rollout) starts its exchange again.
+A sample aborted part-way (a weight update with --partial-rollout) starts its exchange again,
+with its whole token budget. A turn the engine refuses because the exchange no longer fits its
+context ends the sample as truncated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from miles.backends.sglang_utils.client import EngineError
 from miles.backends.sglang_utils.tool_calls import parse_tool_calls
 from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.chat_turns import ChatTurns
@@ -62,8 +66,8 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
             {k: sample.metadata.get(k, 0) for k in ("turns", "tool_calls", "template_mismatches")}
         )
         totals.update(sample.metadata.get("tool_failures", {}))
-    metrics = {f"rollout/{k}_mean": totals[k] / count for k in ("turns", "tool_calls")}
-    metrics["rollout/template_mismatch_turns"] = float(totals["template_mismatches"])
+    keys = ("turns", "tool_calls", "template_mismatches")
+    metrics = {f"rollout/{k}_mean": totals[k] / count for k in keys}
     for kind in FAILURES:
         metrics[f"rollout/tool_failures/{kind.replace(' ', '_')}"] = float(totals[kind])
     return metrics
@@ -120,6 +124,7 @@ class ToolAgent:
         chat = ChatTurns(self.tokenizer, self.template, [t.spec for t in offered.values()] or None)
         conversation = list(sample.messages)
         trajectory = Trajectory(chat.first(conversation))
+        # A sample aborted part-way was handed back reset (below): it has its whole budget.
         budget, status, answer = params["max_new_tokens"], SampleStatus.TRUNCATED, ""
         failures: Counter = Counter()
         calls_made = mismatches = 0
@@ -130,17 +135,25 @@ class ToolAgent:
             turn_params = {**params, "max_new_tokens": left}
             if params.get("sampling_seed") is not None:
                 turn_params["sampling_seed"] = params["sampling_seed"] + turn
-            response = await pool.generate(
-                {
-                    "input_ids": trajectory.ids,
-                    "sampling_params": turn_params,
-                    "return_logprob": True,
-                }
-            )
+            try:
+                response = await pool.generate(
+                    {
+                        "input_ids": trajectory.ids,
+                        "sampling_params": turn_params,
+                        "return_logprob": True,
+                    }
+                )
+            except EngineError as err:
+                if err.status != 400 or turn == 0:  # the first prompt is the data's to fit
+                    raise
+                sample.metadata["engine_refusal"] = str(err)[:500]
+                status = SampleStatus.TRUNCATED  # the exchange outgrew the engine's context
+                break
             ids, log_probs = _completion(response)
             trajectory.add_completion(ids, log_probs)
             meta = response.get("meta_info") or {}
-            sample.weight_version = as_weight_version(meta.get("weight_version"))
+            if meta.get("weight_version") is not None:
+                sample.weight_version = as_weight_version(meta["weight_version"])
             answer = response.get("text") or ""
             status = _FINISH_STATUS.get(
                 (meta.get("finish_reason") or {}).get("type"), SampleStatus.COMPLETED
@@ -150,11 +163,11 @@ class ToolAgent:
                 if status == SampleStatus.COMPLETED
                 else []
             )
+            if turn > 0:  # the first prompt is the template's own rendering
+                sent = trajectory.ids[: len(trajectory.ids) - len(ids)]
+                mismatches += not await asyncio.to_thread(chat.matches_template, conversation, sent)
             conversation.append(_assistant_message(answer, calls))
-            mismatches += not chat.matches_template(
-                conversation[:-1], trajectory.ids[: -len(ids) or None]
-            )
-            if not calls:
+            if status == SampleStatus.ABORTED or not calls:
                 break
             if turn == self.max_turns - 1:
                 status = SampleStatus.TRUNCATED  # still calling tools when the turns ran out
@@ -170,6 +183,13 @@ class ToolAgent:
                 break
             trajectory.add_context(context)
             conversation += replies
+        if status == SampleStatus.ABORTED:
+            # Aborted part-way: handed back as the prompt alone, so a resumed rollout starts the
+            # exchange again with its whole budget (the engine's ids so far are not kept).
+            sample.tokens, sample.response_length = list(trajectory.prompt_ids), 0
+            sample.rollout_log_probs = sample.loss_mask = None
+            sample.response, sample.status = "", status
+            return sample
         trajectory.fill(sample)
         sample.response, sample.status = answer, status
         sample.metadata.update(

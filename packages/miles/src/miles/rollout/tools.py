@@ -10,16 +10,21 @@ the rollout: a tool that raises, takes arguments it does not accept, or does not
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import typing
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from miles.backends.training_utils.import_path import load_function
 
 TOOL_PATHS_FLAG = "--tool-paths"
+# Sync tools run here, not in the event loop's default executor: a tool that hangs past its
+# timeout keeps its thread, and must not starve the reward functions that share that executor.
+_TOOL_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool")
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                list: "array", dict: "object"}  # fmt: skip
 
@@ -101,9 +106,12 @@ async def call_tool(
         if inspect.iscoroutinefunction(tool.function):
             answer = await asyncio.wait_for(tool.function(**values), timeout_s)
         else:
-            answer = await asyncio.wait_for(asyncio.to_thread(tool.function, **values), timeout_s)
+            loop = asyncio.get_running_loop()
+            call = functools.partial(tool.function, **values)
+            answer = await asyncio.wait_for(loop.run_in_executor(_TOOL_THREADS, call), timeout_s)
+        text = answer if isinstance(answer, str) else json.dumps(answer, default=str)
     except TimeoutError:
         return ToolResult(f"error: {name} did not answer within {timeout_s:g} s", "timeout")
     except Exception as err:  # the tool's own failure is the model's to read, not the run's
         return ToolResult(f"error: {name} raised {type(err).__name__}: {err}", "raised")
-    return ToolResult(answer if isinstance(answer, str) else json.dumps(answer, default=str))
+    return ToolResult(text)

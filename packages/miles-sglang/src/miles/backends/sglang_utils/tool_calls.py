@@ -72,7 +72,7 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> ParsedOutput:
 def _one_call(body: str, tool_names: set[str]) -> ToolCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested thousands deep
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -82,9 +82,13 @@ def _one_call(body: str, tool_names: set[str]) -> ToolCall | None:
     if isinstance(arguments, str):  # already encoded: it must still be a JSON object
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
+        return None
+    try:  # a lone UTF-16 surrogate (JSON's "\ud800") is no text a tool or a tokenizer takes
+        json.dumps([value["name"], arguments], ensure_ascii=False).encode()
+    except (UnicodeEncodeError, ValueError, RecursionError):
         return None
     # ASCII-escaped: arguments the model wrote may hold a lone surrogate ("\\ud800").
     encoded = json.dumps(arguments)
