@@ -242,6 +242,10 @@ def test_load_defaults_to_save_and_paths_become_absolute():
         (["--tool-timeout-s", "0"], r"--tool-timeout-s \(0.0\) must be positive"),
         (["--tool-paths", "no_colon"], "--tool-paths"),
         (
+            ["--tool-paths", "json:dumps"],
+            "json:dumps: parameter 'obj' needs one of the annotations",
+        ),
+        (
             ["--apply-chat-template-kwargs", "[1]"],
             "--apply-chat-template-kwargs: expected a JSON object",
         ),

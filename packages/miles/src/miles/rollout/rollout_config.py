@@ -76,8 +76,11 @@ class RolloutConfig:
                 raise ValueError(f"{flag} ({value}) must be at least {least}")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"--tool-timeout-s ({self.tool_timeout_s}) must be positive")
-        for path in self.tool_paths or []:
-            split_import_path(path, "--tool-paths")
+        if self.tool_paths:
+            # Imported now: a missing or unusable tool stops the run before anything starts.
+            from miles.rollout.tools import load_tools
+
+            load_tools(self.tool_paths)
         if self.rollout_temperature < 0:
             raise ValueError(
                 f"--rollout-temperature ({self.rollout_temperature}) must be >= 0 (0 is greedy)"

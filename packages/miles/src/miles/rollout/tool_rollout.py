@@ -204,6 +204,11 @@ def _completion(response: dict[str, Any]) -> tuple[list[int], list[float]]:
     if entries is None:
         raise ValueError("the engine's /generate answer has no meta_info.output_token_logprobs")
     ids = [int(t) for t in response.get("output_ids", [e[1] for e in entries])]
+    if [int(e[1]) for e in entries] != ids:
+        raise ValueError(
+            f"the engine's output_token_logprobs ({len(entries)} entries) do not match its "
+            f"output_ids ({len(ids)} tokens)"
+        )
     return ids, [float(e[0]) for e in entries]
 
 
