@@ -8,11 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Arguments apply_chat_template takes itself: a template variable must not shadow them.
-RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                      "truncation", "max_length", "return_tensors", "return_dict",
-                      "return_assistant_tokens_mask", "tokenizer_kwargs"})  # fmt: skip
+from miles.backends.sglang_utils.chat_arguments import TEMPLATE_ARGUMENTS
 
 
 def check_template_settings(
@@ -24,7 +20,7 @@ def check_template_settings(
             "--apply-chat-template-kwargs must be a JSON object of template variables, e.g. "
             f"'{{\"enable_thinking\": false}}', got {kwargs!r}"
         )
-    shadowed = sorted(RESERVED & set(kwargs))
+    shadowed = sorted(TEMPLATE_ARGUMENTS & set(kwargs))
     if shadowed:
         raise ValueError(
             f"--apply-chat-template-kwargs names {shadowed}: those are apply_chat_template's own "

@@ -21,6 +21,33 @@ already what is left of this sample's response budget."""
 _FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
+def finish_status(response: dict[str, Any]) -> SampleStatus:
+    """How an SGLang /generate answer ended, as a sample status."""
+    reason = (response.get("meta_info") or {}).get("finish_reason") or {}
+    return _FINISH_STATUS.get(reason.get("type"), SampleStatus.COMPLETED)
+
+
+def completion_of(response: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The output ids of an SGLang /generate answer and the engine's log-prob of each.
+
+    `meta_info.output_token_logprobs` is SGLang's list of `[logprob, token_id, text|None]`.
+    """
+    entries = (response.get("meta_info") or {}).get("output_token_logprobs")
+    if entries is None:
+        raise ValueError(
+            "the engine's /generate answer has no meta_info.output_token_logprobs; send "
+            '"return_logprob": true'
+        )
+    # Older SGLang answers carry no output_ids; the log-prob entries name the tokens too.
+    output_ids = [int(t) for t in response.get("output_ids", [entry[1] for entry in entries])]
+    if [int(entry[1]) for entry in entries] != output_ids:
+        raise ValueError(
+            f"the engine's output_token_logprobs ({len(entries)} entries) do not match its "
+            f"output_ids ({len(output_ids)} tokens)"
+        )
+    return output_ids, [float(entry[0]) for entry in entries]
+
+
 def needs_generation(sample: Sample) -> bool:
     """A fresh sample (no response yet) or one whose generation was aborted part-way."""
     return sample.status == SampleStatus.ABORTED or sample.response_length == 0
@@ -44,20 +71,11 @@ def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
 
     `meta_info.output_token_logprobs` is SGLang's list of `[logprob, token_id, text|None]`.
     """
+    try:
+        output_ids, log_probs = completion_of(response)
+    except ValueError as err:
+        raise ValueError(f"sample {sample.index}: {err}") from None
     meta = response.get("meta_info") or {}
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
-        raise ValueError(
-            "the engine's /generate answer has no meta_info.output_token_logprobs; send "
-            '"return_logprob": true'
-        )
-    # Older SGLang answers carry no output_ids; the log-prob entries name the tokens too.
-    output_ids = [int(t) for t in response.get("output_ids", [entry[1] for entry in entries])]
-    if [int(entry[1]) for entry in entries] != output_ids:
-        raise ValueError(
-            f"sample {sample.index}: the engine's output_token_logprobs ({len(entries)} entries) "
-            f"do not match its output_ids ({len(output_ids)} tokens)"
-        )
     if sample.rollout_log_probs is None and sample.response_length > 0:
         raise ValueError(
             f"sample {sample.index} has a {sample.response_length}-token response but no "
@@ -65,15 +83,11 @@ def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
         )
     old_mask = sample.effective_loss_mask
     sample.tokens = [*sample.tokens, *output_ids]
-    sample.rollout_log_probs = [
-        *(sample.rollout_log_probs or []),
-        *(float(entry[0]) for entry in entries),
-    ]
+    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *log_probs]
     sample.loss_mask = [*old_mask, *[1] * len(output_ids)]
     sample.response_length += len(output_ids)
     sample.response += response.get("text") or ""
-    finish_reason = meta.get("finish_reason") or {}
-    sample.status = _FINISH_STATUS.get(finish_reason.get("type"), SampleStatus.COMPLETED)
+    sample.status = finish_status(response)
     version = meta.get("weight_version")
     if output_ids and version is not None:
         # A resumed sample may span weight updates: training sees the latest version, the

@@ -28,14 +28,13 @@ from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
-from miles.rollout.sample_generation import as_weight_version
+from miles.rollout.sample_generation import as_weight_version, completion_of, finish_status
 from miles.rollout.tools import Tool, call_tool, load_tools
 from miles.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from miles.config.schema import MilesConfig
 
-_FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 FAILURES = ("unknown tool", "bad arguments", "raised", "timeout")
 
 
@@ -149,15 +148,13 @@ class ToolAgent:
                 sample.metadata["engine_refusal"] = str(err)[:500]
                 status = SampleStatus.TRUNCATED  # the exchange outgrew the engine's context
                 break
-            ids, log_probs = _completion(response)
+            ids, log_probs = completion_of(response)
             trajectory.add_completion(ids, log_probs)
             meta = response.get("meta_info") or {}
             if meta.get("weight_version") is not None:
                 sample.weight_version = as_weight_version(meta["weight_version"])
             answer = response.get("text") or ""
-            status = _FINISH_STATUS.get(
-                (meta.get("finish_reason") or {}).get("type"), SampleStatus.COMPLETED
-            )
+            status = finish_status(response)
             calls = (
                 parse_tool_calls(answer, set(offered)).tool_calls
                 if status == SampleStatus.COMPLETED
@@ -197,19 +194,6 @@ class ToolAgent:
             template_mismatches=mismatches,
         )  # fmt: skip
         return sample
-
-
-def _completion(response: dict[str, Any]) -> tuple[list[int], list[float]]:
-    entries = (response.get("meta_info") or {}).get("output_token_logprobs")
-    if entries is None:
-        raise ValueError("the engine's /generate answer has no meta_info.output_token_logprobs")
-    ids = [int(t) for t in response.get("output_ids", [e[1] for e in entries])]
-    if [int(e[1]) for e in entries] != ids:
-        raise ValueError(
-            f"the engine's output_token_logprobs ({len(entries)} entries) do not match its "
-            f"output_ids ({len(ids)} tokens)"
-        )
-    return ids, [float(e[0]) for e in entries]
 
 
 def _assistant_message(text: str, calls: list) -> dict[str, Any]:

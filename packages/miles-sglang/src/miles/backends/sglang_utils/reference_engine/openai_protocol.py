@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from miles.backends.sglang_utils.chat_arguments import TEMPLATE_ARGUMENTS
 from miles.backends.sglang_utils.reference_engine.request_models import Seed, TokenId
 from miles.backends.sglang_utils.reference_engine.requests import MAX_TOP_LOGPROBS
 from miles.backends.sglang_utils.reference_engine.sampling import (
@@ -34,11 +35,6 @@ from miles.backends.sglang_utils.reference_engine.sampling import (
 )
 
 Number = StrictInt | StrictFloat
-# apply_chat_template's own arguments: chat_template_kwargs may only add template variables.
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                "add_generation_prompt", "continue_final_message", "tokenize",
-                                "padding", "truncation", "max_length", "return_tensors",
-                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})  # fmt: skip
 # Fields that only label, route or store a request elsewhere: any value is accepted.
 PASS_THROUGH = {"user", "metadata", "store", "service_tier", "priority", "extra_key"}
 # Fields this engine honours only at their default (OpenAI's or SGLang's).
@@ -127,22 +123,25 @@ class _Sampling(_Body):
     rid: Annotated[StrictStr, Field(min_length=1)] | None = None
     """A request id for /abort_request; its sequences are rid-0, rid-1, ... when there are more."""
 
+    @property
+    def stops(self) -> list[str]:
+        """`stop` as a list (OpenAI takes one string or several)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     @model_validator(mode="after")
     def _stops(self) -> _Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if any(stop == "" for stop in stops):
+        if any(stop == "" for stop in self.stops):
             raise ValueError("stop: an empty stop string would end every answer at once")
         return self
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else float(self.min_p),
-            stop=stop,
+            stop=self.stops,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             no_stop_trim=self.no_stop_trim,

@@ -385,7 +385,7 @@ class _Chat:
 
     def _visible(self, partial: str) -> str:
         """What of a partial output may be streamed as content."""
-        visible = _safe_prefix(partial, self.engine_stops())
+        visible = _safe_prefix(partial, self.body.stops)
         if self.body.parses_tool_calls:
             if TOOL_CALL_START in visible:
                 visible = visible[: visible.index(TOOL_CALL_START)]
@@ -394,10 +394,6 @@ class _Chat:
             # Whitespace before a call is not content: it waits for what follows it.
             visible = visible.rstrip()
         return visible
-
-    def engine_stops(self) -> list[str]:
-        stop = self.body.stop
-        return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def _token_logprob(
@@ -480,14 +476,13 @@ class _Text:
     async def stream(self, updates: AsyncIterator[_Update]) -> AsyncIterator[dict[str, Any]]:
         sent = [_Streamed() for _ in range(len(self.body.prompts) * self.body.n)]
         completion_tokens = 0
-        stops = [self.body.stop] if isinstance(self.body.stop, str) else list(self.body.stop or [])
         async for update in updates:
             request, mine = update.request, sent[update.index]
             if update.finished:
                 text = self.engine.final_text(request)
                 completion_tokens += len(request.output_ids)
             else:
-                text = _safe_prefix(self.engine.decode(request.output_ids), stops)
+                text = _safe_prefix(self.engine.decode(request.output_ids), self.body.stops)
             if update.finished and (failure := _engine_error(request)) is not None:
                 yield {"error": {"message": failure, "type": "server_error", "code": 500}}
                 return

@@ -158,10 +158,7 @@ class ReferenceEngine:
         """A /generate body, validated; text is tokenized off the event loop."""
         if not (isinstance(body, dict) and body.get("text") is not None):
             return parse_generate(body, self.tokenize, self.limits)  # token ids: nothing slow
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenizer_thread, parse_generate, body, self.tokenize, self.limits
-        )
+        return await self.off_loop(parse_generate, body, self.tokenize, self.limits)
 
     def check_queue(self, sequences: int) -> None:
         """Refuse `sequences` more when the wait queue would grow past --max-queued-requests."""
