@@ -21,9 +21,12 @@ from miles.rollout.tools import call_tool, load_tools
 from .conftest import running_engine
 
 
-@pytest.fixture(autouse=True)
-def tool_functions_importable(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+@pytest.fixture(autouse=True, scope="module")
+def tool_functions_importable():
+    # Module-scoped: the module's trained model imports the tools before any test runs.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).parent))
+        yield
 
 
 def test_a_tools_spec_comes_from_its_name_docstring_and_signature():
@@ -136,6 +139,37 @@ def test_a_two_turn_exchange_is_one_token_exact_sample(tool_model, tool_engine):
     # A fresh rendering of the chat drops the <|endoftext|> the model wrote after its call: the
     # sample keeps it, and the turn is counted.
     assert sample.metadata["template_mismatches"] == 1
+
+
+def test_the_same_exchange_through_an_agent_session_is_the_same_sample(tool_model, tool_engine):
+    """An agent calling the tool through the OpenAI API of a session (tools offered, the call
+    parsed into message.tool_calls, the result sent back as a tool message) trains on exactly
+    the ids the built-in tool rollout does."""
+    from .test_agent_session import run_agent
+
+    agent, chat = _agent(tool_model)
+    prompt, call, result, answer = _exchange(agent.tokenizer, chat)
+    specs = [tool.spec for tool in agent.tools.values()]
+
+    async def calls_add(client, sample):
+        messages = list(sample.messages)
+        first = await client.chat.completions.create(model="p", messages=messages, tools=specs)
+        (tool_call,) = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "tool_calls"
+        arguments = json.loads(tool_call.function.arguments)
+        messages += [first.choices[0].message,
+                     {"role": "tool", "name": "add", "tool_call_id": tool_call.id,
+                      "content": str(arguments["a"] + arguments["b"])}]  # fmt: skip
+        second = await client.chat.completions.create(model="p", messages=messages, tools=specs)
+        return second.choices[0].message.content
+
+    sample = run_agent(
+        tool_model, tool_engine, calls_add, budget=200, temperature=0.0, messages=QUESTION
+    )
+    assert sample.response == ANSWER and sample.status == SampleStatus.COMPLETED
+    assert sample.tokens == prompt + call + result + answer
+    assert sample.loss_mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert sample.metadata["template_mismatches"] == 1  # as in the tool rollout
 
 
 class _Questions:

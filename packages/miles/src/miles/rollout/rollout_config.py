@@ -10,6 +10,7 @@ from miles.rollout.filters import check_filter_path
 
 ROLLOUT_FUNCTION_FLAG = "--rollout-function-path"
 GENERATE_FLAG = "--custom-generate-function-path"
+DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.generate:generate_rollout"
 
 
 @dataclass(kw_only=True)
@@ -46,7 +47,7 @@ class RolloutConfig:
     custom_generate_function_path: str | None = None
     """--custom-generate-function-path: "pkg.mod:fn", async fn(pool, sample, sampling_params) ->
     Sample, replacing `generate_sample` (multi-turn, tools, ...)."""
-    rollout_function_path: str = "miles.rollout.generate:generate_rollout"
+    rollout_function_path: str = DEFAULT_ROLLOUT_FUNCTION
     """--rollout-function-path: "pkg.mod:fn" making a whole rollout: fn(rollout_id, *, pool,
     data_source, score_groups, config) -> RolloutOutput or a list of groups (sync or async);
     unscored samples are then scored by the reward hub. The default is the built-in; e.g.
@@ -63,6 +64,16 @@ class RolloutConfig:
     last is truncated."""
     tool_timeout_s: float = 10.0
     """--tool-timeout-s: how long one tool call may take; past it the model reads an error."""
+    agent_function_path: str | None = None
+    """--agent-function-path: "pkg.mod:fn", `async def run(client, sample) -> str | None`, an
+    agent driving each sample's conversation through an OpenAI client (--rollout-function-path
+    miles.rollout.agent_rollout:generate_agent_rollout); needs the `openai` package
+    (miles[agents])."""
+    session_timeout_s: float = 600.0
+    """--session-timeout-s: how long one agent session may run; past it the sample is failed."""
+    session_server_host: str = "127.0.0.1"
+    """--session-server-host: the address the agents' session server listens on (a free port);
+    an agent in another process on the machine reaches its session there."""
 
     def __post_init__(self) -> None:
         for flag, value, least in (
@@ -74,13 +85,11 @@ class RolloutConfig:
         ):
             if value < least:
                 raise ValueError(f"{flag} ({value}) must be at least {least}")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"--tool-timeout-s ({self.tool_timeout_s}) must be positive")
-        if self.tool_paths:
-            # Imported now: a missing or unusable tool stops the run before anything starts.
-            from miles.rollout.tools import load_tools
-
-            load_tools(self.tool_paths)
+        for flag, seconds in (("--tool-timeout-s", self.tool_timeout_s),
+                              ("--session-timeout-s", self.session_timeout_s)):  # fmt: skip
+            if not seconds > 0:
+                raise ValueError(f"{flag} ({seconds}) must be positive")
+        self._check_agent_flags()
         if self.rollout_temperature < 0:
             raise ValueError(
                 f"--rollout-temperature ({self.rollout_temperature}) must be >= 0 (0 is greedy)"
@@ -93,6 +102,27 @@ class RolloutConfig:
         if self.custom_generate_function_path is not None:
             split_import_path(self.custom_generate_function_path, GENERATE_FLAG)
         split_import_path(self.rollout_function_path, ROLLOUT_FUNCTION_FLAG)
+
+    def _check_agent_flags(self) -> None:
+        # Imported now: a missing or unusable tool or agent stops the run before anything starts.
+        if self.tool_paths:
+            from miles.rollout.tools import load_tools
+
+            load_tools(self.tool_paths)
+        if self.agent_function_path:
+            from miles.rollout.agent_rollout import load_agent
+
+            load_agent(self.agent_function_path)
+        for flag, value, user in (
+            ("--tool-paths", self.tool_paths, "miles.rollout.tool_rollout:generate_tool_rollout"),
+            ("--agent-function-path", self.agent_function_path,
+             "miles.rollout.agent_rollout:generate_agent_rollout"),
+        ):  # fmt: skip
+            if value and self.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION:
+                raise ValueError(
+                    f"{flag} is used by a multi-turn rollout function, and the default one "
+                    f"generates single turns; pass --rollout-function-path {user}"
+                )
 
     def _check_filter_flags(self) -> None:
         # Over-sampling and partial rollout only act on groups a filter rejects or leaves over;

@@ -71,6 +71,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/response_len_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": _ratio(samples, SampleStatus.TRUNCATED),
         f"{prefix}/aborted_ratio": _ratio(samples, SampleStatus.ABORTED),
+        f"{prefix}/failed_ratio": _ratio(samples, SampleStatus.FAILED),
         f"{prefix}/groups_with_reward_spread": sum(spread) / len(groups),
         f"{prefix}/samples": float(len(samples)),
     }

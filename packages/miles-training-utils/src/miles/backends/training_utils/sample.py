@@ -22,6 +22,9 @@ class SampleStatus(StrEnum):
     """The response hit the length limit."""
     ABORTED = "aborted"
     """Generation was aborted (e.g. by a weight update or a cancelled request)."""
+    FAILED = "failed"
+    """The code making the sample failed (an agent that raised, a session past its time): it
+    holds what was recorded before, with a loss mask of 0, so it trains nothing."""
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,6 +24,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     model_validator,
 )
 
@@ -68,6 +70,22 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class Server:
+    """Who answers a body, named in the refusals of what it cannot honour."""
+
+    name: str
+    instead: str
+    """What to do instead, after "leave it at its default": e.g. "use an SGLang engine"."""
+
+
+REFERENCE_ENGINE = Server("the reference engine", "use an SGLang engine")
+
+
+def _server(info: ValidationInfo) -> Server:
+    return (info.context or {}).get("server", REFERENCE_ENGINE)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -82,7 +100,8 @@ class _Body(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _known_fields(self) -> _Body:
+    def _known_fields(self, info: ValidationInfo) -> _Body:
+        server = _server(info)
         for name, value in (self.model_extra or {}).items():
             if name in PASS_THROUGH:
                 continue
@@ -90,8 +109,8 @@ class _Body(BaseModel):
                 raise ValueError(f"unknown field {name!r}")
             if value not in DEFAULTS_ONLY[name]:
                 raise ValueError(
-                    f"{name}={value!r} is not supported by the reference engine; leave it at "
-                    f"{DEFAULTS_ONLY[name][0]!r} or use an SGLang engine"
+                    f"{name}={value!r} is not supported by {server.name}; leave it at "
+                    f"{DEFAULTS_ONLY[name][0]!r} or {server.instead}"
                 )
         return self
 
@@ -274,7 +293,8 @@ class ChatCompletionBody(_Sampling):
     return_prompt_token_ids: StrictBool = False
 
     @model_validator(mode="after")
-    def _choices(self) -> ChatCompletionBody:
+    def _choices(self, info: ValidationInfo) -> ChatCompletionBody:
+        server = _server(info)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         shadowed = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
@@ -285,23 +305,23 @@ class ChatCompletionBody(_Sampling):
             )
         if any(tool.function.strict for tool in self.tools or []):
             raise ValueError(
-                "strict tool schemas need constrained decoding, which the reference engine does "
-                "not have; leave strict unset or use an SGLang engine"
+                f"strict tool schemas need constrained decoding, which {server.name} does "
+                f"not have; leave strict unset or {server.instead}"
             )
         if not self.parallel_tool_calls:
             raise ValueError(
                 "parallel_tool_calls=false (at most one call) needs constrained decoding, which "
-                "the reference engine does not have; leave it true or use an SGLang engine"
+                f"{server.name} does not have; leave it true or {server.instead}"
             )
         if self.tool_choice is not None and not isinstance(self.tool_choice, str):
             raise ValueError(
-                "a named tool_choice forces a call, which needs constrained decoding: the "
-                "reference engine has none; send 'auto' or use an SGLang engine"
+                "a named tool_choice forces a call, which needs constrained decoding: "
+                f"{server.name} has none; send 'auto' or {server.instead}"
             )
         if self.tool_choice == "required":
             raise ValueError(
-                "tool_choice='required' needs constrained decoding, which the reference engine "
-                "does not have; send 'auto' or use an SGLang engine"
+                f"tool_choice='required' needs constrained decoding, which {server.name} "
+                f"does not have; send 'auto' or {server.instead}"
             )
         return self
 
@@ -355,12 +375,13 @@ class CompletionBody(_Sampling):
         return list(prompt)
 
 
-def validate(model: type[BaseModel], body: Any) -> Any:
-    """`body` as `model`, or an InvalidRequestError naming the first bad field and its value."""
+def validate(model: type[BaseModel], body: Any, server: Server = REFERENCE_ENGINE) -> Any:
+    """`body` as `model`, or an InvalidRequestError naming the first bad field and its value
+    (what `server` cannot honour is refused in its name)."""
     if not isinstance(body, dict):
         raise InvalidRequestError(f"the body must be a JSON object, got {type(body).__name__}")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context={"server": server})
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         errors = getattr(err, "errors", lambda: [])()
         if not errors:

@@ -399,17 +399,10 @@ class _Chat:
 def _token_logprob(
     engine: ReferenceEngine, request: EngineRequest, position: int
 ) -> dict[str, Any]:
-    token_id = request.output_ids[position]
     tops = request.output_top_logprobs[position] if request.top_logprobs_num else []
-    return {
-        "token": engine.token_text(token_id),
-        "bytes": list(engine.token_bytes(token_id)),
-        "logprob": request.output_logprobs[position],
-        "top_logprobs": [
-            {"token": engine.token_text(tid), "bytes": list(engine.token_bytes(tid)), "logprob": lp}
-            for lp, tid in tops
-        ],
-    }
+    return engine.spelling.logprob_entry(
+        request.output_ids[position], request.output_logprobs[position], tops
+    )
 
 
 # -- completion answers -------------------------------------------------------------------------

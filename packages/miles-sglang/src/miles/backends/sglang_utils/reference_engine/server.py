@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.backends.sglang_utils.byte_level import char_to_byte
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
@@ -62,6 +61,7 @@ from miles.backends.sglang_utils.reference_engine.serving import (
     submit,
 )
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager, check_tags
+from miles.backends.sglang_utils.token_spelling import TokenSpelling
 from miles.backends.training_utils.device import get_torch_device
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ class ReferenceEngine:
         # One thread tokenizes, off the event loop: a long prompt does not stall /health, and a
         # fast tokenizer is never entered from two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._token_texts: dict[int, str] = {}
-        self._byte_values = _byte_level_values(self.tokenizer)
+        self.spelling = TokenSpelling(self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -139,20 +138,7 @@ class ReferenceEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text as OpenAI's logprobs show it (special tokens included)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """One token's bytes. A byte-level BPE token can be part of a character, whose text
-        alone is U+FFFD: its bytes come from the token's own byte-level spelling."""
-        if self._byte_values is not None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and all(char in self._byte_values for char in piece):
-                return bytes(self._byte_values[char] for char in piece)
-        return self.token_text(token_id).encode()
+        return self.spelling.text(token_id)
 
     async def parse(self, body: Any) -> ParsedGenerate:
         """A /generate body, validated; text is tokenized off the event loop."""
@@ -297,15 +283,6 @@ class _Guard:
         if any(required) and not _authorized(presented, *required):
             return _error(401, f"{path} needs {what}: send 'Authorization: Bearer <key>'")
         return None
-
-
-def _byte_level_values(tokenizer: Any) -> dict[str, int] | None:
-    """The byte of each character of a byte-level tokenizer's alphabet; None for tokenizers that
-    do not decode byte-level."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
-        return None
-    return char_to_byte()
 
 
 def create_app(engine: ReferenceEngine) -> FastAPI:
