@@ -172,6 +172,23 @@ def test_the_same_exchange_through_an_agent_session_is_the_same_sample(tool_mode
     assert sample.metadata["template_mismatches"] == 1  # as in the tool rollout
 
 
+def test_the_agent_of_the_sessions_guide_runs_as_written(tool_model, tool_engine, tmp_path):
+    """The ~20-line agent of docs/guides/agent-sessions.md, run as written, makes the same
+    sample the built-in tool rollout makes."""
+    from .test_agent_session import run_agent
+
+    guide = (Path(__file__).parents[3] / "docs/guides/agent-sessions.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "my_agent.py", "exec"), namespace)
+    agent, chat = _agent(tool_model)
+    prompt, call, result, answer = _exchange(agent.tokenizer, chat)
+    assert namespace["TOOLS"] == [tool.spec for tool in agent.tools.values()]
+    sample = run_agent(tool_model, tool_engine, namespace["run"], budget=200, temperature=0.0,
+                       messages=QUESTION)  # fmt: skip
+    assert sample.response == ANSWER and sample.tokens == prompt + call + result + answer
+
+
 class _Questions:
     """A data source of one repeated chat prompt."""
 
