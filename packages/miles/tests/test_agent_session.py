@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -390,3 +391,36 @@ def test_agent_flags_are_checked_before_the_run(tmp_path, monkeypatch):
         load_config([*base, *agent_rollout, "--agent-function-path", "my_agent:nope"])
     with pytest.raises(ValueError, match=r"--session-timeout-s \(0.0\) must be positive"):
         load_config([*base, "--session-timeout-s", "0"])
+
+
+# -- on a real SGLang engine --------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and sglang")
+def test_a_session_on_an_sglang_engine_is_token_exact(tiny_checkpoint):
+    """The same rule on SGLang's own /generate: the sample is the engine's last prompt and
+    completion, and the loss mask covers exactly its completions."""
+    from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from miles.backends.training_utils.testing import free_port
+
+    seen = []
+
+    async def agent(client, sample):
+        messages = list(sample.messages)
+        for _ in range(3):
+            response = await client.chat.completions.create(
+                model="p", messages=messages, max_tokens=6, logprobs=True, extra_body=IDS
+            )
+            seen.append(_ids(response.choices[0]))
+            messages += [response.choices[0].message, {"role": "user", "content": "and?"}]
+
+    config = SGLangEngineConfig(model_path=str(tiny_checkpoint), port=free_port(),
+                                mem_fraction_static=0.2, random_seed=0)  # fmt: skip
+    with SGLangEngine(config) as engine:
+        sample = run_agent(tiny_checkpoint, engine.url, agent, budget=200)
+    assert sample.status != SampleStatus.FAILED, sample.metadata
+    (first, _), (last_prompt, last_completion) = seen[0], seen[-1]
+    assert sample.tokens == last_prompt + last_completion
+    assert sum(sample.loss_mask) == sum(len(completion) for _, completion in seen)
+    assert sample.tokens[: len(first)] == first
