@@ -98,6 +98,26 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     assert all("train/loss" in r for r in records)
 
 
+def test_an_agent_run_trains_on_its_sessions_and_evaluates_through_them(assets, tmp_path):
+    """--agent-function-path in a real run: the session server lives in the rollout manager's
+    actor, every sample is a two-turn session, held-out prompts go through the same agent."""
+    _, data = assets
+    records = run(
+        assets, tmp_path, "--num-rollout", "1", "--rollout-num-gpus", "1",
+        "--apply-chat-template", "--rollout-max-response-len", "96",
+        "--rollout-function-path", "miles.rollout.agent_rollout:generate_agent_rollout",
+        "--agent-function-path", "tests.e2e.agents:two_turns",
+        "--eval-prompt-data", "heldout", str(data), "--eval-interval", "1",
+    )  # fmt: skip
+    rollout = next(r for r in records if "rollout/turns_mean" in r)
+    assert rollout["rollout/turns_mean"] == 2.0
+    assert rollout["rollout/session_end/completed"] == 8.0
+    assert rollout["rollout/failed_ratio"] == 0.0
+    evaluation = next(r for r in records if "eval/heldout/reward_mean" in r)
+    assert evaluation["eval/heldout/samples"] == 16.0
+    assert evaluation["eval/heldout/turns_mean"] == 2.0  # the agent's sessions, not one /generate
+
+
 def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged(
     assets, tmp_path, disaggregated
 ):

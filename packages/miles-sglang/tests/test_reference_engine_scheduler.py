@@ -50,7 +50,8 @@ def test_requests_that_break_a_batched_step_fail_alone_and_their_neighbours_comp
     tiny_checkpoint,
 ):
     # What validation would refuse, handed to the scheduler directly: a token beyond the
-    # vocabulary breaks the batched prefill, a fractional top_k breaks the batched sampling.
+    # vocabulary breaks the batched prefill (or the scoring of a prompt), a fractional top_k
+    # breaks the batched sampling.
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     scheduler = Scheduler(
         ModelRunner(model, torch.device("cpu")), eos_token_ids=set(), context_length=64,
@@ -68,21 +69,28 @@ def test_requests_that_break_a_batched_step_fail_alone_and_their_neighbours_comp
         return Request(input_ids=input_ids, params=params, on_event=on_event)
 
     try:
-        scheduler.pause()  # admit all four in one batch
+        scheduler.pause()  # admit all six in one batch
         good = [make([72, 101, 108], SamplingParams(max_new_tokens=12)) for _ in range(2)]
         bad_prefill = make([10**6], SamplingParams(max_new_tokens=12))
         bad_sampling = make([72, 105], SamplingParams(max_new_tokens=12))
         bad_sampling.params.top_k = 2.5  # torch.topk refuses a float k
-        for request in (good[0], bad_prefill, bad_sampling, good[1]):
+        scoring = make([72, 101, 108], SamplingParams(max_new_tokens=0))
+        bad_scoring = make([72, 105, 99], SamplingParams(max_new_tokens=0))
+        scoring.logprob_start_len = bad_scoring.logprob_start_len = 0
+        bad_scoring.token_ids_logprob = [10**6]
+        batch = (good[0], bad_prefill, bad_sampling, scoring, bad_scoring, good[1])
+        for request in batch:
             scheduler.submit(request)
         scheduler.resume()
-        for _ in range(4):
+        for _ in batch:
             assert finished.acquire(timeout=60), f"unanswered: {done}"
     finally:
         scheduler.shutdown()
     for request in good:
         assert done[request.rid] == {"type": "length", "length": 12}
         assert len(request.output_ids) == 12
-    for request in (bad_prefill, bad_sampling):
+    assert done[scoring.rid] == {"type": "length", "length": 0} and not scoring.output_ids
+    assert len(scoring.prompt_logprobs.token) == 3
+    for request in (bad_prefill, bad_sampling, bad_scoring):
         assert done[request.rid]["type"] == "abort"
         assert done[request.rid]["message"].startswith("engine error: ")

@@ -36,7 +36,12 @@ from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.engine_supervisor import EngineSupervisor, FaultToleranceConfig
-from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
+from miles.rollout.generate import (
+    RolloutConfig,
+    RolloutOutput,
+    generate_groups,
+    sample_generator,
+)
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
@@ -440,11 +445,16 @@ class RolloutManager:
     # -- evaluation --------------------------------------------------------------------------
 
     async def eval(self, rollout_id: int) -> dict[str, float]:
-        """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once)."""
+        """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once).
+
+        Each held-out sample is made as the rollout function makes its own where it says how
+        (`generate.sample_generator`: the tool rollout's multi-turn exchange with the tools),
+        else by --custom-generate-function-path, else by one /generate call."""
         assert self.pool is not None, "start_engines() before eval()"
         from miles.rollout.train_data import eval_metrics  # torch: see generate()
 
         metrics: dict[str, float] = {}
+        generate_fn = await sample_generator(self.rollout_function, self.config)
         for name, (dataset, data_config) in self.eval_sources.items():
             # A fresh source per evaluation: every prompt once, in file order.
             source = RolloutDataSource(dataset, data_config)
@@ -452,7 +462,7 @@ class RolloutManager:
             try:
                 output = await generate_groups(
                     self.pool, source, self.reward_hub.score_groups, eval_config,
-                    rollout_id=rollout_id,
+                    rollout_id=rollout_id, generate_fn=generate_fn,
                 )  # fmt: skip
             except EngineError as err:
                 raise self._explain_engine_error(err) from err
@@ -476,6 +486,7 @@ class RolloutManager:
             rollout_stop=rollout.rollout_stop,
             rollout_stop_token_ids=rollout.rollout_stop_token_ids,
             rollout_concurrency=rollout.rollout_concurrency,
+            custom_generate_function_path=rollout.custom_generate_function_path,
         )
 
     # -- memory, checkpoints, shutdown ---------------------------------------------------------

@@ -35,6 +35,7 @@ from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.agent_session import AgentSession, SessionEnd
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
+from miles.rollout.sample_generation import GenerateFunction
 from miles.rollout.session_server import SessionServer
 
 if TYPE_CHECKING:
@@ -92,6 +93,15 @@ async def generate_agent_rollout(
     )  # fmt: skip
     output.metrics.update(session_metrics([s for group in output.groups for s in group]))
     return output
+
+
+async def agent_sample_generator(config: MilesConfig) -> GenerateFunction:
+    """One sample's session with the run's agent: what evaluation makes held-out samples with
+    (`generate.sample_generator`), so an agent run is evaluated over the same sessions."""
+    return (await AgentRunner.for_run(config)).generate
+
+
+generate_agent_rollout.sample_generator = agent_sample_generator  # type: ignore[attr-defined]
 
 
 def session_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,7 @@ __all__ = [
     "ScoreGroups",
     "generate_groups",
     "generate_rollout",
+    "sample_generator",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,23 @@ async def generate_rollout(
     return await generate_groups(
         pool, data_source, score_groups, config.rollout, rollout_id=rollout_id
     )
+
+
+async def sample_generator(rollout_function: Any, config: MilesConfig) -> GenerateFunction | None:
+    """How `rollout_function` makes one sample, where it says so, for evaluation to make held-out
+    samples the same way (a multi-turn rollout is evaluated over multi-turn exchanges).
+
+    A rollout function says so with a `sample_generator` attribute: a function of the run's
+    config returning a GenerateFunction, or an awaitable of one (e.g. the tool rollout's
+    `ToolAgent.generate`). None: it does not say, and a sample is made the built-in way
+    (--custom-generate-function-path, else one /generate call)."""
+    make = getattr(rollout_function, "sample_generator", None)
+    if make is None:
+        return None
+    generate_fn = make(config)
+    if inspect.isawaitable(generate_fn):
+        generate_fn = await generate_fn
+    return generate_fn
 
 
 async def generate_groups(

@@ -28,7 +28,12 @@ from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
-from miles.rollout.sample_generation import as_weight_version, completion_of, finish_status
+from miles.rollout.sample_generation import (
+    GenerateFunction,
+    as_weight_version,
+    completion_of,
+    finish_status,
+)
 from miles.rollout.tools import Tool, call_tool, load_tools
 from miles.rollout.trajectory import Trajectory
 
@@ -55,6 +60,15 @@ async def generate_tool_rollout(
     )  # fmt: skip
     output.metrics.update(agent_metrics([s for group in output.groups for s in group]))
     return output
+
+
+def tool_sample_generator(config: MilesConfig) -> GenerateFunction:
+    """One sample's exchange with the run's tools: what evaluation makes held-out samples with
+    (`generate.sample_generator`), so a tool-use run is evaluated over the same episodes."""
+    return ToolAgent.for_run(config).generate
+
+
+generate_tool_rollout.sample_generator = tool_sample_generator  # type: ignore[attr-defined]
 
 
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -113,14 +127,24 @@ class ToolAgent:
             )
         return {name: self.tools[name] for name in names}
 
-    async def generate(self, pool: EnginePool, sample: Sample, params: dict[str, Any]) -> Sample:
-        """The exchange for one sample (a GenerateFunction)."""
+    def _chat(self, sample: Sample) -> tuple[dict[str, Tool], ChatTurns]:
+        """The tools `sample` may call, and its chat rendered with them."""
         if sample.messages is None:
             raise ValueError(
                 f"sample {sample.index} has no chat messages: pass --apply-chat-template"
             )
         offered = self._offered(sample)
         chat = ChatTurns(self.tokenizer, self.template, [t.spec for t in offered.values()] or None)
+        return offered, chat
+
+    def first_prompt(self, sample: Sample) -> list[int]:
+        """The ids the exchange of `sample` opens with: its chat, with the tools it may call
+        shown, and the generation prompt (what a supervised warm-up trains after)."""
+        return self._chat(sample)[1].first(sample.messages)
+
+    async def generate(self, pool: EnginePool, sample: Sample, params: dict[str, Any]) -> Sample:
+        """The exchange for one sample (a GenerateFunction)."""
+        offered, chat = self._chat(sample)
         conversation = list(sample.messages)
         trajectory = Trajectory(chat.first(conversation))
         # A sample aborted part-way was handed back reset (below): it has its whole budget.

@@ -65,7 +65,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
     rewards = [float(s.reward) for s in samples if s.reward is not None]
     lengths = [s.response_length for s in samples]
     spread = [len({s.reward for s in g}) > 1 for g in groups]
-    return {
+    metrics = {
         f"{prefix}/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         f"{prefix}/response_len_mean": statistics.fmean(lengths),
         f"{prefix}/response_len_max": float(max(lengths)),
@@ -75,6 +75,11 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/groups_with_reward_spread": sum(spread) / len(groups),
         f"{prefix}/samples": float(len(samples)),
     }
+    # Multi-turn samples (tool rollouts, agent sessions) say how many model turns they took.
+    turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
+    if turns:
+        metrics[f"{prefix}/turns_mean"] = statistics.fmean(turns)
+    return metrics
 
 
 def _ratio(samples: list[Sample], status: SampleStatus) -> float:

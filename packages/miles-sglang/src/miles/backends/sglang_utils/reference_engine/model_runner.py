@@ -164,20 +164,36 @@ class ModelRunner:
             [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask
         )
 
-    @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
         """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts.
 
         A prompt that occurs several times (a GRPO group's n samples arrive together) is computed
         once and its cache rows copied: its forward would give the same numbers again."""
+        logits, state, _ = self.prefill_with_prompt_logits(prompts, [False] * len(prompts))
+        return logits, state
+
+    @torch.no_grad()
+    def prefill_with_prompt_logits(
+        self, prompts: list[list[int]], wanted: list[bool]
+    ) -> tuple[Tensor, BatchState, list[Tensor | None]]:
+        """As `prefill`, and the logits at every position, (len(prompt), V) in the model's dtype,
+        of each prompt i with `wanted[i]` (None for the others): the forward computes them all
+        anyway, so scoring a prompt costs no extra forward."""
         distinct, rows = distinct_prompts(prompts)
-        logits, state = self._prefill(distinct)
+        every, state = self._prefill(distinct)  # (B, L, V)
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
+        length = every.shape[1]
+        prompt_logits = [
+            every[row, length - len(prompt) :] if want else None
+            for prompt, row, want in zip(prompts, rows, wanted, strict=True)
+        ]
+        logits = every[:, -1, :]
         if len(distinct) == len(prompts):
-            return logits, state
-        return gather_rows(logits, state, rows)
+            return logits, state, prompt_logits
+        return *gather_rows(logits, state, rows), prompt_logits
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
+        """Logits at every (left-padded) position, (B, L, V), and the cache."""
         length = max(len(p) for p in prompts)
         input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
         mask = torch.zeros(len(prompts), length, dtype=torch.long)
@@ -188,7 +204,7 @@ class ModelRunner:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         cache = DynamicCache()
         logits = self._forward(input_ids, mask, positions, cache)
-        return logits[:, -1, :], self._state_from(cache, mask)
+        return logits, self._state_from(cache, mask)
 
     @torch.no_grad()
     def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:

@@ -44,7 +44,6 @@ PASS_THROUGH = {
     "decode_tp_size",
     "lora_id",
     "modalities",
-    "return_text_in_logprobs",
     "require_reasoning",
 }
 # Fields whose non-default values ask for something this engine does not do.
@@ -54,8 +53,6 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "video_data": (None, [], ""),
     "audio_data": (None, [], ""),
     "use_audio_in_video": (False,),
-    "logprob_start_len": (None, -1),
-    "token_ids_logprob": (None, []),
     "return_hidden_states": (False,),
     "return_routed_experts": (False,),
     "return_indexer_topk": (False,),
@@ -85,6 +82,10 @@ class SequenceSpec:
     params: SamplingParams
     return_logprob: bool
     top_logprobs_num: int = 0
+    logprob_start_len: int | None = None
+    """The first prompt position whose log-prob is listed; None for none (SGLang's -1)."""
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
 
 
 @dataclass
@@ -142,6 +143,11 @@ class GenerateBody(BaseModel):
     rid: StrictStr | list[StrictStr | None] | None = None
     return_logprob: StrictBool | list[StrictBool] | None = None
     top_logprobs_num: TopLogprobsNum | list[TopLogprobsNum] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    # A list for every prompt, or (a batch) one list per prompt; not a bare id (SGLang's
+    # request contract, api/v1 TokenIdsOrList, refuses one).
+    token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
+    return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
 
 
@@ -202,8 +208,15 @@ def parse_generate(
     rids = _as_list(parsed.rid, count, "rid")
     logprob = _as_list(parsed.return_logprob, count, "return_logprob")
     top = _as_list(parsed.top_logprobs_num, count, "top_logprobs_num")
+    starts = _as_list(parsed.logprob_start_len, count, "logprob_start_len")
+    token_ids = _token_ids_per_prompt(parsed.token_ids_logprob, count, is_batch)
     sequences = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+        # As in SGLang, the log-prob fields count only with return_logprob.
+        wanted = bool(logprob[i])
+        listed = isinstance(parsed.logprob_start_len, list)
+        param = f"logprob_start_len[{i}]" if listed else "logprob_start_len"
+        start = _logprob_start(starts[i], len(prompt), param) if wanted else None
         for copy in range(n):
             rid = rids[i] if rids[i] is not None else None
             if rid is not None and n > 1:
@@ -212,19 +225,55 @@ def parse_generate(
                 rid=rid or "",
                 input_ids=list(prompt),
                 params=params,
-                return_logprob=bool(logprob[i]),
-                top_logprobs_num=int(top[i] or 0) if logprob[i] else 0,
+                return_logprob=wanted,
+                top_logprobs_num=int(top[i] or 0) if wanted else 0,
+                logprob_start_len=start,
+                token_ids_logprob=token_ids[i] if wanted else None,
+                return_text_in_logprobs=parsed.return_text_in_logprobs,
             )
             sequences.append(spec)
     return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)
+
+
+def _logprob_start(value: int | None, prompt_len: int, param: str) -> int | None:
+    """SGLang's `logprob_start_len`: -1 (the default) lists no prompt position (SGLang 0.5.23
+    moves it past the prompt; older releases listed the last one); past the prompt's length is
+    refused (SGLang aborts it with a 400 too)."""
+    if value is None or value == -1:
+        return None
+    if not 0 <= value <= prompt_len:
+        raise InvalidRequestError(
+            f"{param}={value} is out of range for a prompt of {prompt_len} tokens: it must be "
+            f"-1 (no prompt log-probs) or in [0, {prompt_len}]",
+            param=param,
+        )
+    return value
+
+
+def _token_ids_per_prompt(value: Any, count: int, is_batch: bool) -> list[list[int] | None]:
+    """SGLang's `token_ids_logprob` per prompt: one list for every prompt, or one per prompt in
+    a batch; None and [] ask for nothing."""
+    if not value:
+        return [None] * count
+    if not isinstance(value[0], list):
+        return [list(value)] * count
+    if not is_batch:
+        raise InvalidRequestError(
+            "token_ids_logprob must be a flat list of token ids for a single prompt",
+            param="token_ids_logprob",
+        )
+    return [ids or None for ids in _as_list(value, count, "token_ids_logprob")]
 
 
 def _nested(input_ids: Any) -> bool:
     return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
 
 
-def response_item(request, text: str, return_logprob: bool) -> dict[str, Any]:
-    """SGLang's per-sequence /generate result."""
+def response_item(
+    request, text: str, spec: SequenceSpec, token_texts: Callable[[list[int]], list[str]]
+) -> dict[str, Any]:
+    """SGLang's per-sequence /generate result. `token_texts(ids)`: each token's text, for
+    return_text_in_logprobs."""
     count = len(request.output_ids)  # the engine may be appending: read up to this token
     meta: dict[str, Any] = {
         "id": request.rid,
@@ -234,16 +283,51 @@ def response_item(request, text: str, return_logprob: bool) -> dict[str, Any]:
         "cached_tokens": request.cached_tokens,
         "weight_version": request.weight_version,
     }
-    if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, None]
-            for lp, tok in zip(
-                request.output_logprobs[:count], request.output_ids[:count], strict=True
-            )
-        ]
-        if request.top_logprobs_num:
-            meta["output_top_logprobs"] = [
-                [[lp, tok, None] for lp, tok in step]
-                for step in request.output_top_logprobs[:count]
-            ]
+    if spec.return_logprob:
+        meta.update(
+            _logprob_fields(request, count, token_texts if spec.return_text_in_logprobs else None)
+        )
     return {"text": text, "output_ids": list(request.output_ids[:count]), "meta_info": meta}
+
+
+def _logprob_fields(
+    request, count: int, texts: Callable[[list[int]], list[str]] | None
+) -> dict[str, Any]:
+    """meta_info's log-prob fields as SGLang 0.5.23's tokenizer manager assembles them: lists of
+    [logprob, token_id, text or None]; a position with no log-probs (the first listed prompt
+    position) is None in the top / asked-token lists."""
+
+    def listed(logprobs: list, ids: list[int]) -> list[list[Any]]:
+        names = texts(ids) if texts is not None else [None] * len(ids)
+        return [[lp, tok, name] for lp, tok, name in zip(logprobs, ids, names, strict=True)]
+
+    def tops(step: list[tuple[float, int]] | None) -> list[list[Any]] | None:
+        return None if step is None else listed([lp for lp, _ in step], [tok for _, tok in step])
+
+    def asked(step: list[float] | None) -> list[list[Any]] | None:
+        return None if step is None else listed(step, request.token_ids_logprob)
+
+    prompt = request.prompt_logprobs
+    # SGLang lists max(1, count) output entries of top / asked-token log-probs: a request that
+    # generates nothing has one, the distribution after the prompt.
+    shown = max(count, 1)
+    fields: dict[str, Any] = {
+        "input_token_logprobs": (
+            listed(prompt.token, request.input_ids[prompt.start :]) if prompt else []
+        ),
+        "output_token_logprobs": listed(
+            request.output_logprobs[:count], request.output_ids[:count]
+        ),
+        "output_token_logprobs_length": count,
+    }
+    if request.top_logprobs_num:
+        fields["input_top_logprobs"] = [tops(step) for step in prompt.top] if prompt else []
+        fields["output_top_logprobs"] = [tops(s) for s in request.output_top_logprobs[:shown]]
+    if request.token_ids_logprob:
+        fields["input_token_ids_logprobs"] = (
+            [asked(step) for step in prompt.token_ids] if prompt else []
+        )
+        fields["output_token_ids_logprobs"] = [
+            asked(step) for step in request.output_token_ids_logprobs[:shown]
+        ]
+    return fields

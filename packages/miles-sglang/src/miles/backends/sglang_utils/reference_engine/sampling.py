@@ -186,6 +186,16 @@ def sample_next_tokens(
     return tokens.tolist(), chosen.tolist()
 
 
+def _scaled_log_probs(logits: Tensor, params: list[SamplingParams], rows: list[int]) -> Tensor:
+    """log_softmax of rows `rows` of (B, V) logits, each at its request's temperature (1 when
+    greedy): the distribution `sample_next_tokens` scores the sampled token with."""
+    index = torch.tensor(rows, device=logits.device)
+    temperatures = [max(params[r].temperature, 0.0) for r in rows]
+    temperatures = [1.0 if t < GREEDY_TEMPERATURE else t for t in temperatures]
+    scaled = logits.index_select(0, index).float() / logits.new_tensor(temperatures)[:, None]
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def top_log_probs(
     logits: Tensor, params: list[SamplingParams], counts: list[int]
 ) -> list[list[tuple[float, int]]]:
@@ -196,13 +206,26 @@ def top_log_probs(
     out: list[list[tuple[float, int]]] = [[] for _ in counts]
     if not wanted:
         return out
-    rows = torch.tensor(wanted, device=logits.device)
-    temperatures = [max(params[r].temperature, 0.0) for r in wanted]
-    temperatures = [1.0 if t < GREEDY_TEMPERATURE else t for t in temperatures]
-    scaled = logits.index_select(0, rows).float() / logits.new_tensor(temperatures)[:, None]
     k = min(max(counts[r] for r in wanted), logits.shape[-1])
-    values, ids = torch.log_softmax(scaled, dim=-1).topk(k, dim=-1)  # (W, k)
+    values, ids = _scaled_log_probs(logits, params, wanted).topk(k, dim=-1)  # (W, k)
     for i, row in enumerate(wanted):
         n = min(counts[row], k)
         out[row] = list(zip(values[i, :n].tolist(), ids[i, :n].tolist(), strict=True))
+    return out
+
+
+def token_id_log_probs(
+    logits: Tensor, params: list[SamplingParams], token_ids: list[list[int] | None]
+) -> list[list[float] | None]:
+    """The log-probs of the tokens `token_ids[row]` (in that order) in each row of (B, V)
+    logits, under the same distribution as `top_log_probs` (SGLang's `token_ids_logprob`).
+    Rows with None get None."""
+    out: list[list[float] | None] = [None] * len(token_ids)
+    wanted = [row for row, ids in enumerate(token_ids) if ids]
+    if not wanted:
+        return out
+    log_p = _scaled_log_probs(logits, params, wanted)
+    for i, row in enumerate(wanted):
+        ids = torch.tensor(token_ids[row], device=log_p.device)
+        out[row] = log_p[i].index_select(0, ids).tolist()
     return out

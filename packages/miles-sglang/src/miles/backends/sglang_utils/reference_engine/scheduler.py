@@ -26,9 +26,14 @@ from miles.backends.sglang_utils.reference_engine.model_runner import (
     merge_states,
     select_rows,
 )
+from miles.backends.sglang_utils.reference_engine.prompt_logprobs import (
+    PromptLogprobs,
+    score_prompt,
+)
 from miles.backends.sglang_utils.reference_engine.sampling import (
     SamplingParams,
     sample_next_tokens,
+    token_id_log_probs,
     top_log_probs,
 )
 
@@ -49,12 +54,31 @@ class Request:
     top_logprobs_num: int = 0
     """How many of the likeliest tokens to record at each step (OpenAI's top_logprobs)."""
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    logprob_start_len: int | None = None
+    """The prompt position from which prompt log-probs are listed (SGLang's
+    `logprob_start_len`); None for none (SGLang's default, -1)."""
+    token_ids_logprob: list[int] | None = None
+    """Tokens whose log-probs to record at every position (SGLang's `token_ids_logprob`)."""
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set at prefill for a request that `scores_prompt`."""
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     generator: torch.Generator = field(default_factory=torch.Generator)
     stop_checker: Callable[[Request], str | None] | None = None
     cached_tokens: int = 0
     """Prompt tokens whose prefill this request shared with another (SGLang's `cached_tokens`)."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prefill must score the prompt: it lists prompt positions, or it generates
+        nothing and lists the top / asked tokens after the prompt (SGLang does so)."""
+        start = self.logprob_start_len
+        if start is not None and start < len(self.input_ids):
+            return True
+        return self.params.max_new_tokens == 0 and bool(
+            self.top_logprobs_num or self.token_ids_logprob
+        )
 
 
 class Scheduler:
@@ -201,7 +225,7 @@ class Scheduler:
             not self._waiting.empty() and len(self._running) + len(new) < self.max_running_requests
         ):
             request = self._waiting.get()
-            if request.params.max_new_tokens == 0:
+            if request.params.max_new_tokens == 0 and not request.scores_prompt:
                 self._finish(request, {"type": "length", "length": 0})
             else:
                 new.append(request)
@@ -212,24 +236,55 @@ class Scheduler:
         for request, row in zip(new, rows, strict=True):
             request.cached_tokens = len(request.input_ids) if row in seen else 0
             seen.add(row)
-        admitted, state = self._prefill(new)
+        admitted, (logits, state) = self._prefill(new)
+        admitted, logits, state = self._finish_scoring_only(admitted, logits, state)
         if not admitted:
             return
-        tokens = self._sample_and_record(admitted, state[0])
+        tokens = self._sample_and_record(admitted, logits)
         self._running += admitted
         self._next_tokens += tokens
-        self._state = merge_states(self._state, state[1])
+        self._state = merge_states(self._state, state)
         self._retire_finished()
+
+    def _finish_scoring_only(
+        self, requests: list[Request], logits: torch.Tensor | None, state: BatchState | None
+    ) -> tuple[list[Request], torch.Tensor | None, BatchState | None]:
+        """Finish the prefilled requests that generate nothing (max_new_tokens=0: they only
+        wanted their prompt scored); the others, with their rows of the prefill's logits and
+        state."""
+        keep = [row for row, r in enumerate(requests) if r.params.max_new_tokens > 0]
+        if len(keep) == len(requests):
+            return requests, logits, state
+        for request in requests:
+            if request.params.max_new_tokens == 0:
+                scored = request.prompt_logprobs
+                # SGLang lists one output entry of top / asked-token log-probs for such a
+                # request: the (unscaled) distribution after the prompt.
+                if scored is not None and request.top_logprobs_num:
+                    request.output_top_logprobs.append(scored.next_top)
+                if scored is not None and request.token_ids_logprob:
+                    request.output_token_ids_logprobs.append(scored.next_token_ids)
+                self._finish(request, {"type": "length", "length": 0})
+        if not keep:
+            return [], None, None
+        return [requests[row] for row in keep], logits[keep], select_rows(state, keep)
 
     def _prefill(
         self, requests: list[Request]
     ) -> tuple[list[Request], tuple[torch.Tensor, BatchState] | tuple[None, None]]:
         """One batched prefill; if it fails, each request alone, so a request that breaks the
         forward pass fails by itself (the running ones are untouched). Returns the prefilled
-        requests and their (logits, state)."""
+        requests and their (logits, state). Requests that `scores_prompt` get `prompt_logprobs`:
+        a prompt that cannot be scored fails the same way."""
         start = time.perf_counter()
         try:
-            return requests, self.runner.prefill([r.input_ids for r in requests])
+            logits, state, prompt_logits = self.runner.prefill_with_prompt_logits(
+                [r.input_ids for r in requests], [r.scores_prompt for r in requests]
+            )
+            for request, row_logits in zip(requests, prompt_logits, strict=True):
+                if row_logits is not None:
+                    request.prompt_logprobs = self._score_prompt(request, row_logits)
+            return requests, (logits, state)
         except Exception as err:
             if len(requests) == 1:
                 logger.exception("prefill of request %s failed", requests[0].rid)
@@ -250,6 +305,17 @@ class Scheduler:
         if not admitted:
             return [], (None, None)
         return admitted, (torch.cat(logits), states)
+
+    @staticmethod
+    def _score_prompt(request: Request, logits: torch.Tensor) -> PromptLogprobs:
+        start = request.logprob_start_len
+        return score_prompt(
+            logits,
+            request.input_ids,
+            len(request.input_ids) if start is None else start,
+            request.top_logprobs_num,
+            request.token_ids_logprob,
+        )
 
     def _step(self) -> None:
         step_start = time.perf_counter()
@@ -294,6 +360,14 @@ class Scheduler:
             except Exception as err:  # only the requests that asked for them fail
                 logger.exception("top log-probs of %d requests failed", sum(map(bool, counts)))
                 failed.update({row: err for row, count in enumerate(counts) if count})
+        asked = [r.token_ids_logprob for r in requests]
+        by_id = None
+        if any(asked):
+            try:
+                by_id = token_id_log_probs(logits, [r.params for r in requests], asked)
+            except Exception as err:  # only the requests that asked for them fail
+                logger.exception("token-id log-probs of %d requests failed", sum(map(bool, asked)))
+                failed.update({row: err for row, ids in enumerate(asked) if ids})
         self.step_seconds["sampling"] += time.perf_counter() - start
         for row, (request, token, log_prob) in enumerate(
             zip(requests, tokens, log_probs, strict=True)
@@ -306,6 +380,8 @@ class Scheduler:
             request.output_logprobs.append(log_prob)
             if tops is not None and request.top_logprobs_num:
                 request.output_top_logprobs.append(tops[row])
+            if by_id is not None and request.token_ids_logprob:
+                request.output_token_ids_logprobs.append(by_id[row])
             request.output_ids.append(token)
             request.weight_version = self.weight_version
             try:

@@ -140,6 +140,11 @@ class ReferenceEngine:
     def token_text(self, token_id: int) -> str:
         return self.spelling.text(token_id)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded alone, as SGLang's return_text_in_logprobs does it."""
+        # transformers 5 decodes an empty batch to [""].
+        return self.tokenizer.batch_decode([[token] for token in ids]) if ids else []
+
     async def parse(self, body: Any) -> ParsedGenerate:
         """A /generate body, validated; text is tokenized off the event loop."""
         if not (isinstance(body, dict) and body.get("text") is not None):
@@ -175,6 +180,12 @@ class ReferenceEngine:
         if max(spec.input_ids) >= vocab:
             raise InvalidRequestError(
                 f"input_ids contain token id {max(spec.input_ids)} >= vocab size {vocab}"
+            )
+        if spec.token_ids_logprob and max(spec.token_ids_logprob) >= vocab:
+            raise InvalidRequestError(
+                f"token_ids_logprob contains token id {max(spec.token_ids_logprob)} >= vocab "
+                f"size {vocab}",
+                param="token_ids_logprob",
             )
         if len(spec.input_ids) >= self.context_length:
             raise InvalidRequestError(
@@ -327,7 +338,7 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
         if done is None:  # nobody waits for the answer: its slots are free again
             return Response(status_code=499)
         items = [
-            response_item(r, engine.final_text(r), spec.return_logprob)
+            response_item(r, engine.final_text(r), spec, engine.token_texts)
             for r, spec in zip(done, parsed.sequences, strict=True)
         ]
         return JSONResponse(items if parsed.is_batch else items[0])
@@ -471,7 +482,7 @@ async def _stream(engine: ReferenceEngine, parsed: ParsedGenerate, loop) -> Asyn
                 text = engine.final_text(request)
             else:
                 text = engine.decode(request.output_ids)
-            item = response_item(request, text, spec.return_logprob)
+            item = response_item(request, text, spec, engine.token_texts)
             item["index"] = index
             yield f"data: {json.dumps(item)}\n\n".encode()
     finally:

@@ -41,6 +41,8 @@ def submit(
             on_event=on_event,
             stop_checker=engine.stop_checker(spec.params),
             top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len,
+            token_ids_logprob=spec.token_ids_logprob,
         )
         if spec.rid:
             request.rid = spec.rid
