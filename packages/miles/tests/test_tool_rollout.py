@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint, teach
@@ -282,3 +283,27 @@ def test_an_aborted_exchange_is_handed_back_to_start_again_and_a_refused_turn_tr
     assert refused.loss_mask[: len(pool.prompts[1]) - len(pool.prompts[0])].count(0) > 0  # result
     with pytest.raises(EngineError):  # the first prompt not fitting is the data's fault: loud
         run([EngineError("u", "/generate", 400, "prompt too long")])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and sglang")
+def test_a_tool_exchange_on_an_sglang_engine(tool_model):
+    """The tool rollout on SGLang's own /generate: the trained model calls the tool and the
+    sample is the exchange's ids, the tool result not trained on."""
+    from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from miles.backends.training_utils.testing import free_port
+
+    agent, chat = _agent(tool_model)
+    prompt, call, result, _ = _exchange(agent.tokenizer, chat)
+    config = SGLangEngineConfig(model_path=str(tool_model), port=free_port(), dtype="float32",
+                                mem_fraction_static=0.2, random_seed=0)  # fmt: skip
+
+    async def run() -> Sample:
+        async with EnginePool([engine.url]) as pool:
+            sample = Sample(index=0, group_index=0, messages=QUESTION, tokens=[1])
+            return await agent.generate(pool, sample, {"temperature": 0.0, "max_new_tokens": 200})
+
+    with SGLangEngine(config) as engine:
+        sample = asyncio.run(run())
+    assert sample.tokens[: len(prompt) + len(call) + len(result)] == prompt + call + result
+    assert sample.metadata["tool_calls"] == 1 and 0 in sample.loss_mask
