@@ -32,3 +32,10 @@ def _reinforce(inputs, config, normalizer):
 
 REINFORCE = LossSpec(fn=_reinforce, inputs=frozenset({"advantages"}))
 """A spec, so it declares its inputs: advantages only, no old-policy forward."""
+
+
+def no_advantage(batch, config, masks, group):
+    """Zero on every token: the task reward teaches nothing, so what a run learns comes from
+    elsewhere (test_cpu_demo's distillation: the teacher's KL, added after the estimator)."""
+    advantages = [torch.zeros_like(mask, dtype=torch.float32) for mask in masks]
+    return advantages, advantages

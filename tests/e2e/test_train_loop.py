@@ -8,6 +8,7 @@ resumed from its last complete checkpoint, matching the uninterrupted one. The d
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from miles.config import load_config
 from miles.ray.run import Run
 from miles.ray.train_group import TrainRankError
 from miles.train import train
-from miles.utils.checkpoint_layout import POINTER_FILE
+from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
@@ -96,6 +98,44 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     )  # fmt: skip
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     assert all("train/loss" in r for r in records)
+
+
+FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correction", "tis",
+               "--max-weight-staleness", "1", "--save-interval", "1"]  # fmt: skip
+
+
+def test_a_fully_async_run_trains_within_the_bound_and_resumes_with_its_buffer(assets, tmp_path):
+    """Three rollouts fully async, weights pushed every second one; then the run resumed from
+    rollout 1's checkpoint: it holds the buffer, and the groups that were ready when it was
+    saved are the next rollout's first."""
+    ckpt, pattern = tmp_path / "ckpt", str(tmp_path / "rollouts" / "r{rollout_id}.pt")
+    flags = [*FULLY_ASYNC, "--save", str(ckpt), "--save-debug-rollout-data", pattern]
+    first = run(assets, tmp_path / "first", *flags, "--num-rollout", "3",
+                "--update-weights-interval", "2")  # fmt: skip
+    assert [r["rollout_id"] for r in first] == [0, 1, 2]
+    for record in first:
+        assert record["async/staleness_max"] <= 1 and "train/loss" in record
+        assert record["async/staleness_0_ratio"] + record["async/staleness_1_ratio"] == 1.0
+        for key in ("async/trainer_wait_s", "async/engine_idle_s", "async/buffer_groups",
+                    "async/dropped_groups"):  # fmt: skip
+            assert key in record, key
+    # Weights go out every second rollout and after the last.
+    assert ["async/update_pause_s" in r for r in first] == [False, True, True]
+    state = json.loads(rollout_state_path(str(ckpt), 1).read_text())["fully_async"]
+    assert state["ready"] or state["pending"], "the checkpoint holds no buffered group"
+
+    # The run killed after rollout 1's checkpoint: rollout 2 again, from the buffer.
+    (ckpt / POINTER_FILE).write_text("1")
+    resumed = run(assets, tmp_path / "resumed", *flags, "--num-rollout", "3")
+    assert [r["rollout_id"] for r in resumed] == [2]
+    trained = torch.load(pattern.format(rollout_id=2), weights_only=False)["shards"]
+    trained_tokens = {tuple(t) for shard in trained for t in shard["tokens"]}
+    # The resumed run's first push makes the next version: groups of the saved version are
+    # within the bound of 1 and are the first taken (--rollout-batch-size 4).
+    usable = [ready for ready in state["ready"] if ready["version"] >= state["version"]]
+    for ready in usable[:4]:
+        for sample in ready["group"]:
+            assert tuple(sample["tokens"]) in trained_tokens
 
 
 def test_an_agent_run_trains_on_its_sessions_and_evaluates_through_them(assets, tmp_path):

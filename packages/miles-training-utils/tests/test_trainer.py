@@ -71,6 +71,9 @@ class BigramEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def update_reference(self) -> None:
+        self.reference.load_state_dict(self.model.state_dict())
+
     def optimizer_step(self) -> OptimizerStepResult:
         grad = self.model.weight.grad
         if self.dp_group is not None:  # gradients are averaged over replicas, as FSDP does

@@ -218,6 +218,48 @@ def test_load_defaults_to_save_and_paths_become_absolute():
         (["--eval-prompt-data", "a"], "name/path pairs"),
         (["--async-train"], "--off-policy-correction"),
         (["--async-train", "--colocate", "--off-policy-correction", "tis"], "drop one of the two"),
+        (["--fully-async"], "--fully-async trains on samples from older weights"),
+        (["--fully-async", "--colocate", "--off-policy-correction", "tis"], "--colocate"),
+        (["--fully-async", "--async-train", "--off-policy-correction", "tis"], "pick one"),
+        (["--update-weights-interval", "2"], "--off-policy-correction"),
+        (["--update-weights-interval", "0"], "--update-weights-interval must be >= 1"),
+        (["--max-weight-staleness", "2"], r"--max-weight-staleness \(2\) is only read with"),
+        (["--max-weight-staleness", "-1"], "--max-weight-staleness must be >= 0"),
+        (["--partial-rollout"], "--partial-rollout resumes groups left over"),
+        (
+            [
+                "--fully-async",
+                "--off-policy-correction",
+                "tis",
+                "--mask-offpolicy-in-partial-rollout",
+            ],
+            "add both flags",
+        ),
+        (
+            ["--fully-async", "--off-policy-correction", "tis", "--fully-async-buffer-groups", "2"],
+            r"--fully-async-buffer-groups \(2\) must hold a train step's --rollout-batch-size \(4\)",
+        ),
+        (
+            [
+                "--fully-async",
+                "--off-policy-correction",
+                "tis",
+                "--rollout-function-path",
+                "tests.e2e.agents:two_turns",
+            ],
+            "does not say how it makes one sample",
+        ),
+        (
+            [
+                "--fully-async",
+                "--off-policy-correction",
+                "tis",
+                "--partial-rollout",
+                "--custom-generate-function-path",
+                "miles.rollout.sample_generation:generate_sample",
+            ],
+            "only the built-in single-turn generation",
+        ),
         (["--label-key", "none"], "--label-key is none"),
         (["--actor-num-gpus-per-node", "3"], "divisible by the data-parallel size"),
         (
@@ -315,3 +357,10 @@ def test_every_sglang_server_flag_passes_through_as_sglang_flag():
         "context-length": "8192",
         "enable-metrics": True,
     }
+
+
+def test_fully_async_buffer_defaults_to_what_the_staleness_bound_lets_train():
+    flags = ["--fully-async", "--off-policy-correction", "tis"]
+    assert load(*flags).training.fully_async_buffer_groups == 4  # --rollout-batch-size 4 x 1
+    config = load(*flags, "--max-weight-staleness", "2")
+    assert config.training.fully_async_buffer_groups == 8

@@ -349,7 +349,6 @@ def test_a_filter_that_does_not_return_a_bool_is_an_error(engine_url):
             {"over_sampling_batch_size": 8},
             r"--over-sampling-batch-size \(8\) only takes effect with --dynamic-sampling-filter",
         ),
-        ({"partial_rollout": True}, r"--partial-rollout .* without --dynamic-sampling-filter"),
         (
             {"over_sampling_batch_size": 2, "dynamic_sampling_filter_path": "nonzero_std"},
             r"--over-sampling-batch-size \(2\) must be >= --rollout-batch-size \(4\)",

@@ -1,10 +1,14 @@
-"""`miles train`: the RL loop (architecture.md: "The loop"), synchronous or one step asynchronous.
+"""`miles train`: the RL loop (architecture.md: "The loop"): synchronous, one step asynchronous,
+or fully asynchronous.
 
-    generate -> (offload engines) -> train -> save? -> (offload trainer) -> update_weights -> eval?
+    generate -> (offload engines) -> train -> save? -> (offload trainer) -> update_weights? -> eval?
 
 The pieces live elsewhere (placement, rollout manager, train group, tracking); this module only
 decides their order. Async mode overlaps generating rollout N+1 with training on rollout N and
 waits for that generation before every weight update, so an update never meets a request in flight.
+Fully-async mode never waits for a generation: the engines fill a bounded buffer in the background
+and each step takes a batch from it, within the staleness bound (`miles.rollout.fully_async`).
+Weights go to the engines every --update-weights-interval rollouts and after the last.
 The start-up's timings (`startup/*`) are logged with the first rollout's record.
 """
 
@@ -23,6 +27,8 @@ logger = logging.getLogger(__name__)
 def train(config: MilesConfig) -> dict[str, Any]:
     """Run the whole training; returns the last rollout's metrics."""
     with Run(config) as run:
+        if config.training.fully_async:
+            return train_fully_async(run)
         loop = train_async if config.training.async_train else train_sync
         return loop(run)
 
@@ -41,7 +47,7 @@ def train_sync(run: Run) -> dict[str, Any]:
         saved = run.maybe_save(rollout_id)
         if colocate:
             run.offload_trainer_and_onload_engines()
-        updated = run.update_weights()
+        updated = run.update_weights() if run.update_due(rollout_id) else {}
         evaluated = run.maybe_eval(rollout_id)
         step = {"time/step_s": time.perf_counter() - step_start}
         merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
@@ -63,10 +69,33 @@ def train_async(run: Run) -> dict[str, Any]:
         pending = None if last else run.start_generate(rollout_id + 1)
         trained = run.train(rollout)  # overlaps the generation of rollout_id + 1
         saved = run.maybe_save(rollout_id)
-        if pending is not None:
-            # The update waits for the generation in flight: weights never change mid-request.
-            run.wait_generated(pending)
-        updated = run.update_weights()
+        updated = {}
+        if run.update_due(rollout_id):
+            if pending is not None:
+                # The update waits for the generation in flight: weights never change
+                # mid-request.
+                run.wait_generated(pending)
+            updated = run.update_weights()
+        evaluated = run.maybe_eval(rollout_id)
+        step = {"time/step_s": time.perf_counter() - step_start}
+        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
+                  **evaluated, **step}  # fmt: skip
+        metrics, startup = run.finish_rollout(rollout_id, merged), {}
+    return metrics
+
+
+def train_fully_async(run: Run) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
+    startup = run.initial_weight_update()
+    run.evaluate_before_training()
+    run.start_fully_async()
+    for rollout_id in range(run.start_rollout_id, run.num_rollout):
+        step_start = time.perf_counter()
+        rollout = run.take_rollout(rollout_id)  # generated meanwhile, within the staleness bound
+        check = run.check_weight_sync(rollout)
+        trained = run.train(rollout)
+        saved = run.maybe_save(rollout_id)  # with the buffer: a resumed run loses no sample
+        updated = run.update_weights_while_generating() if run.update_due(rollout_id) else {}
         evaluated = run.maybe_eval(rollout_id)
         step = {"time/step_s": time.perf_counter() - step_start}
         merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,

@@ -164,6 +164,23 @@ class TrainingConfig:
     async_train: bool = False
     """Overlap generation of the next rollout with training (one step off-policy); needs
     --off-policy-correction and separate devices (no --colocate). Also spelled --async."""
+    fully_async: bool = False
+    """Generation never waits for training: engines fill a bounded buffer in the background and
+    each train step takes the oldest ready groups within --max-weight-staleness; needs
+    --off-policy-correction and separate devices (no --colocate)."""
+    max_weight_staleness: int = 1
+    """--fully-async: the most weight versions a trained sample's weights may lag the engines'
+    current ones (0: only samples of the current weights)."""
+    async_unused_samples_handler: Literal["drop", "keep"] = "drop"
+    """--fully-async: a group past --max-weight-staleness is dropped, or (keep) its prompt goes
+    back to the data source to be generated again with newer weights."""
+    fully_async_buffer_groups: int | None = None
+    """--fully-async: groups ready or generating at once; default --rollout-batch-size x
+    --max-weight-staleness (at least one batch): the groups the next steps can still train on
+    (the step in progress holds its own), so none is generated only to be dropped."""
+    update_weights_interval: int = 1
+    """Push the trained weights to the engines every this many rollouts (and after the last);
+    above 1 the engines generate with older weights, so it needs --off-policy-correction."""
     debug_rollout_only: bool = False
     """Generate and score rollouts without training (engines only)."""
     debug_train_only: bool = False
@@ -208,6 +225,20 @@ class TrainingConfig:
                 "collective is named by its peers once the latter passes; raise the former"
             )
         _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
+        _at_least(self.max_weight_staleness, 0, "--max-weight-staleness")
+        _at_least(self.fully_async_buffer_groups, 1, "--fully-async-buffer-groups")
+        _at_least(self.update_weights_interval, 1, "--update-weights-interval")
+        if self.fully_async and self.async_train:
+            raise ValueError(
+                "--fully-async and --async-train are two ways to overlap generation with "
+                "training; pick one (--fully-async generates continuously, --async-train one "
+                "rollout ahead)"
+            )
+        if self.fully_async and (self.debug_rollout_only or self.debug_train_only):
+            raise ValueError(
+                "--fully-async overlaps generation with training; --debug-rollout-only and "
+                "--debug-train-only each run only one of them: drop one of the flags"
+            )
         _at_least(self.num_rollout, 1, "--num-rollout")
         _at_least(self.num_epoch, 1, "--num-epoch")
         if self.num_rollout is not None and self.num_epoch is not None:
@@ -257,11 +288,18 @@ class CheckpointConfig:
     """Save every this many rollouts (and after the last); needs --save."""
     load: str | None = None
     """Resume from the latest checkpoint in this directory (default: --save, if it has one)."""
+    ref_load: str | None = None
+    """Hugging Face checkpoint directory of the reference model (--kl-coef, --use-kl-loss);
+    default: --hf-checkpoint."""
+    ref_update_interval: int | None = None
+    """Every this many rollouts, set the reference model's weights to the current policy's
+    (an exact copy); default: the reference model never changes."""
 
     def __post_init__(self) -> None:
         if not self.hf_checkpoint:
             raise ValueError("--hf-checkpoint is empty; pass a Hugging Face checkpoint directory")
         _at_least(self.save_interval, 1, "--save-interval")
+        _at_least(self.ref_update_interval, 1, "--ref-update-interval")
         if self.save_interval is not None and not self.save:
             raise ValueError(
                 f"--save-interval {self.save_interval} has nowhere to write: set --save DIR"

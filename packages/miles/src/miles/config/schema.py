@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.backends.training_utils.distillation import DistillationConfig
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.config.groups import (
     CheckpointConfig,
@@ -27,7 +28,7 @@ from miles.config.groups import (
 )
 from miles.config.options import Option, dataclass_options
 from miles.config.trainer_args import TrainerArgs
-from miles.ray.placement_plan import plan_for_cluster
+from miles.ray.placement_plan import plan_for_config
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rewards import RewardConfig
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
@@ -41,6 +42,7 @@ CORE_GROUPS: dict[str, type] = {
     "rollout": RolloutConfig,
     "reward": RewardConfig,
     "algorithm": LossConfig,
+    "distillation": DistillationConfig,
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
@@ -116,6 +118,7 @@ class MilesConfig:
     rollout: RolloutConfig
     reward: RewardConfig
     algorithm: LossConfig
+    distillation: DistillationConfig
     training: TrainingConfig
     checkpoint: CheckpointConfig
     eval: EvalConfig
@@ -257,6 +260,88 @@ def _derive_batch_identity(config: MilesConfig) -> None:
     training.global_batch_size, training.num_steps_per_rollout = gbs, steps
 
 
+def _check_async_modes(config: MilesConfig) -> None:
+    """--async-train, --fully-async and --update-weights-interval: each trains on samples of
+    older weights than the trainer's."""
+    cluster, training, rollout = config.cluster, config.training, config.rollout
+    correction = config.algorithm.off_policy_correction
+    for flag, used in (("--async-train", training.async_train),
+                       ("--fully-async", training.fully_async),
+                       ("--update-weights-interval above 1", training.update_weights_interval > 1)):  # fmt: skip
+        if not used:
+            continue
+        if cluster.colocate:
+            raise ValueError(
+                f"{flag} lets the engines generate while the trainer trains, but --colocate "
+                "makes them share devices, taking turns; drop one of the two"
+            )
+        if correction is None:
+            raise ValueError(
+                f"{flag} trains on samples from older weights than the trainer's: set "
+                "--off-policy-correction (e.g. tis) to correct for it"
+            )
+    if rollout.partial_rollout and not (
+        rollout.dynamic_sampling_filter_path or training.fully_async
+    ):
+        raise ValueError(
+            "--partial-rollout resumes groups left over after a filtered rollout, or, with "
+            "--fully-async, requests a weight update interrupted; with neither "
+            "--dynamic-sampling-filter-path nor --fully-async there are none: drop the flag"
+        )
+    if rollout.mask_offpolicy_in_partial_rollout and not (training.fully_async and rollout.partial_rollout):  # fmt: skip
+        raise ValueError(
+            "--mask-offpolicy-in-partial-rollout masks tokens that a --fully-async "
+            "--partial-rollout run made with older weights; add both flags or drop this one"
+        )
+    if not training.fully_async:
+        for flag, value, default in (
+            ("--max-weight-staleness", training.max_weight_staleness, 1),
+            ("--async-unused-samples-handler", training.async_unused_samples_handler, "drop"),
+            ("--fully-async-buffer-groups", training.fully_async_buffer_groups, None),
+        ):
+            if value != default:
+                raise ValueError(f"{flag} ({value}) is only read with --fully-async; add it or "
+                                 "drop the flag")  # fmt: skip
+        return
+    _check_fully_async_rollout(config)
+
+
+def _check_fully_async_rollout(config: MilesConfig) -> None:
+    training, rollout = config.training, config.rollout
+    if training.fully_async_buffer_groups is None:
+        # While a step trains on version v, groups generated now are trained at v + 1 at the
+        # earliest: the next `staleness` batches are all the bound lets the trainer take.
+        staleness = max(1, training.max_weight_staleness)
+        training.fully_async_buffer_groups = staleness * rollout.rollout_batch_size
+    if training.fully_async_buffer_groups < rollout.rollout_batch_size:
+        raise ValueError(
+            f"--fully-async-buffer-groups ({training.fully_async_buffer_groups}) must hold a "
+            f"train step's --rollout-batch-size ({rollout.rollout_batch_size}) groups; raise it"
+        )
+    # Fully-async generation runs one group at a time, the way the rollout function makes each
+    # of its samples: the built-in rollout, or one that says how (`sample_generator`).
+    from miles.backends.training_utils.import_path import load_function
+    from miles.rollout.rollout_config import DEFAULT_ROLLOUT_FUNCTION, ROLLOUT_FUNCTION_FLAG
+
+    default = rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+    if not default:
+        function = load_function(rollout.rollout_function_path, ROLLOUT_FUNCTION_FLAG)
+        if getattr(function, "sample_generator", None) is None:
+            raise ValueError(
+                f"--fully-async generates group by group, but --rollout-function-path "
+                f"{rollout.rollout_function_path} makes whole rollouts and does not say how it "
+                "makes one sample (a `sample_generator` attribute, see "
+                "miles.rollout.generate.sample_generator); use the built-in rollout, the tool "
+                "or agent rollout, or add the attribute"
+            )
+    if rollout.partial_rollout and not (default and rollout.custom_generate_function_path is None):
+        raise ValueError(
+            "--fully-async --partial-rollout continues an interrupted request from its tokens, "
+            "which only the built-in single-turn generation can; drop --partial-rollout for "
+            "multi-turn or custom generation (their requests then finish on the old weights)"
+        )
+
+
 def _check_across_groups(config: MilesConfig) -> None:
     """Every combination of settings that cannot work, or that would silently do nothing."""
     cluster, training = config.cluster, config.training
@@ -264,18 +349,10 @@ def _check_across_groups(config: MilesConfig) -> None:
         cluster.rollout_num_gpus = (
             cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine
         )
-    plan_for_cluster(cluster, use_gpus=False)
-    if training.async_train:
-        if cluster.colocate:
-            raise ValueError(
-                "--async-train overlaps generation with training, but --colocate makes them "
-                "share devices; drop one of the two flags"
-            )
-        if config.algorithm.off_policy_correction is None:
-            raise ValueError(
-                "--async-train trains on samples from the previous weights: set "
-                "--off-policy-correction (e.g. tis) to correct for it"
-            )
+    plan_for_config(config, use_gpus=False)
+    _check_async_modes(config)
+    _check_reference_model(config)
+    _check_distillation(config)
     if config.engine.use_fault_tolerance and cluster.colocate:
         raise ValueError(
             "--use-fault-tolerance restarts a lost engine at once, but with --colocate it "
@@ -311,3 +388,69 @@ def _check_across_groups(config: MilesConfig) -> None:
             f"({dp} = --actor-num-nodes x --actor-num-gpus-per-node{split}); use a multiple "
             f"of {dp}"
         )
+
+
+def _check_reference_model(config: MilesConfig) -> None:
+    """--ref-load and --ref-update-interval configure a reference model only a KL reads."""
+    from miles.backends.training_utils.algorithms import Algorithm
+
+    checkpoint = config.checkpoint
+    if Algorithm.from_config(config.algorithm).needs_reference:
+        if checkpoint.ref_load is not None:
+            checkpoint.ref_load = _checkpoint_dir("--ref-load", checkpoint.ref_load)
+        return
+    for flag, value in (("--ref-load", checkpoint.ref_load),
+                        ("--ref-update-interval", checkpoint.ref_update_interval)):  # fmt: skip
+        if value is not None:
+            raise ValueError(
+                f"{flag} ({value}) sets up the reference model, which only --kl-coef or "
+                "--use-kl-loss reads; add one of them or drop the flag"
+            )
+
+
+def _check_distillation(config: MilesConfig) -> None:
+    """--use-opd with the rest: the loss must train on the student's samples, and the teacher
+    must read the student's token ids."""
+    from miles.backends.training_utils.algorithms import Algorithm
+    from miles.utils.hf_config import hf_config_value
+
+    distillation = config.distillation
+    if not distillation.use_opd:
+        return
+    algorithm = Algorithm.from_config(config.algorithm)
+    if not algorithm.loss.on_policy:
+        raise ValueError(
+            f"--use-opd distills on the student's own samples, but --loss-type "
+            f"{config.algorithm.loss_type} trains on given data; use an RL loss (policy_loss)"
+        )
+    if distillation.kl_in_advantages and "advantages" not in algorithm.loss.inputs:
+        raise ValueError(
+            f"--opd-kl-mode advantages subtracts the teacher KL from the advantages, which "
+            f"--loss-type {config.algorithm.loss_type} does not read; use --opd-kl-mode loss"
+        )
+    teacher = distillation.opd_teacher_checkpoint
+    student_vocab = hf_config_value(config.checkpoint.hf_checkpoint, "vocab_size")
+    teacher_vocab = hf_config_value(teacher, "vocab_size")
+    if student_vocab and teacher_vocab and student_vocab != teacher_vocab:
+        raise ValueError(
+            f"--opd-teacher-checkpoint {teacher} has a vocabulary of {teacher_vocab} tokens, the "
+            f"student (--hf-checkpoint) {student_vocab}: the teacher scores the student's token "
+            "ids, so both must share one tokenizer; pick a teacher of the student's family"
+        )
+    if config.training.debug_train_only or config.training.debug_rollout_only:
+        raise ValueError(
+            "--use-opd scores each rollout with teacher engines and trains on the scores; "
+            "--debug-train-only and --debug-rollout-only run only one half: drop one of them"
+        )
+
+
+def _checkpoint_dir(flag: str, path: str) -> str:
+    """An existing Hugging Face checkpoint directory, absolute (Ray workers run elsewhere)."""
+    absolute = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(absolute, "config.json")):
+        why = "holds no config.json" if os.path.isdir(absolute) else "does not exist"
+        raise ValueError(
+            f"{flag} {path}: {absolute} {why}; pass a Hugging Face checkpoint directory (e.g. "
+            "one written by `miles export-hf`)"
+        )
+    return absolute

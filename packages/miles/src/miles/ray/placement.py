@@ -13,7 +13,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 import ray
-from miles.ray.placement_plan import FEWER_OR_MORE, PlacementPlan, plan_for_cluster, plan_placement
+from miles.ray.placement_plan import (
+    FEWER_OR_MORE,
+    PlacementPlan,
+    plan_for_cluster,
+    plan_for_config,
+    plan_placement,
+)
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -22,6 +28,7 @@ __all__ = [
     "PlacementPlan",
     "create_placement",
     "plan_for_cluster",
+    "plan_for_config",
     "plan_placement",
     "remove_placement",
 ]
@@ -57,6 +64,16 @@ class Placement:
         if self.bundle_devices is None:
             return None
         return [self.bundle_devices[b] for b in self.plan.engine_bundles[engine]]
+
+    def teacher_scheduling(self, teacher: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy for teacher engine `teacher` (--use-opd): its first bundle."""
+        return self._strategy(self.plan.teacher_bundles[teacher][0])
+
+    def teacher_devices(self, teacher: int) -> list[str] | None:
+        """GPU ids (on its node) of every bundle of teacher engine `teacher`."""
+        if self.bundle_devices is None:
+            return None
+        return [self.bundle_devices[b] for b in self.plan.teacher_bundles[teacher]]
 
     def actor_node(self, rank: int) -> str:
         return self.bundle_nodes[self.plan.actor_bundles[rank]]

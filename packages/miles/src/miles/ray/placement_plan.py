@@ -7,11 +7,12 @@ the configuration never imports Ray.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from miles.config.groups import ClusterConfig
+    from miles.config.schema import MilesConfig
 
 COLOCATED_TRAIN_SHARE = 0.6
 """Share of a colocated bundle (its GPU and CPUs) the train actor takes."""
@@ -36,6 +37,9 @@ class PlacementPlan:
     """Bundle indices of each rollout engine, rollout_num_gpus_per_engine of them each."""
     colocate: bool
     """Trainers and engines share the same bundles (they take turns via sleep / wake-up)."""
+    teacher_bundles: list[list[int]] = field(default_factory=list)
+    """Bundle indices of each teacher engine (--use-opd): always their own, after the others,
+    since a teacher scores while the student's engines generate or sleep."""
 
     @property
     def num_actor_ranks(self) -> int:
@@ -44,6 +48,10 @@ class PlacementPlan:
     @property
     def num_engines(self) -> int:
         return len(self.engine_bundles)
+
+    @property
+    def num_teacher_engines(self) -> int:
+        return len(self.teacher_bundles)
 
     def total_resources(self) -> dict[str, float]:
         """What the whole group reserves, e.g. {"CPU": 4.0, "GPU": 4.0}."""
@@ -62,12 +70,15 @@ def plan_placement(
     colocate: bool,
     use_gpus: bool,
     cpus_per_bundle: float = 1.0,
+    teacher_engines: int = 0,
+    teacher_gpus_per_engine: int = 1,
 ) -> PlacementPlan:
     """Lay out train ranks and rollout engines over bundles, one bundle per device.
 
     Colocated: the N = actor_num_nodes * actor_num_gpus_per_node train bundles also host the
     engines (rollout_num_gpus must be N; None means N). Disaggregated: N train bundles, then
     rollout_num_gpus engine bundles. Without GPUs a "GPU" is a worker device, i.e. a CPU bundle.
+    Teacher engines (on-policy distillation) take `teacher_gpus_per_engine` bundles each, last.
     Every invalid combination raises ValueError naming the flags and the fix.
     """
     _check_positive("--actor-num-nodes", actor_num_nodes)
@@ -108,6 +119,13 @@ def plan_placement(
     engine_offset = 0 if colocate else num_actor
     num_bundles = num_actor if colocate else num_actor + rollout_num_gpus
     per = rollout_num_gpus_per_engine
+    _check_positive("--opd-teacher-num-gpus-per-engine", teacher_gpus_per_engine)
+    teacher_bundles = [
+        list(range(num_bundles + t * teacher_gpus_per_engine,
+                   num_bundles + (t + 1) * teacher_gpus_per_engine))
+        for t in range(teacher_engines)
+    ]  # fmt: skip
+    num_bundles += teacher_engines * teacher_gpus_per_engine
     return PlacementPlan(
         bundles=[dict(bundle) for _ in range(num_bundles)],
         actor_bundles=list(range(num_actor)),
@@ -116,11 +134,30 @@ def plan_placement(
             for e in range(rollout_num_gpus // per)
         ],
         colocate=colocate,
+        teacher_bundles=teacher_bundles,
     )
 
 
-def plan_for_cluster(cluster: ClusterConfig, *, use_gpus: bool) -> PlacementPlan:
-    """`plan_placement` for the placement flags of a `ClusterConfig` group."""
+def plan_for_config(config: MilesConfig, *, use_gpus: bool) -> PlacementPlan:
+    """The run's plan: the cluster's bundles, plus the teacher engines' with --use-opd."""
+    distillation = config.distillation
+    teachers = distillation.opd_teacher_num_engines if distillation.use_opd else 0
+    return plan_for_cluster(
+        config.cluster,
+        use_gpus=use_gpus,
+        teacher_engines=teachers,
+        teacher_gpus_per_engine=distillation.opd_teacher_num_gpus_per_engine,
+    )
+
+
+def plan_for_cluster(
+    cluster: ClusterConfig,
+    *,
+    use_gpus: bool,
+    teacher_engines: int = 0,
+    teacher_gpus_per_engine: int = 1,
+) -> PlacementPlan:
+    """`plan_placement` for the placement flags of a `ClusterConfig` group (and teachers)."""
     return plan_placement(
         actor_num_nodes=cluster.actor_num_nodes,
         actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
@@ -129,6 +166,8 @@ def plan_for_cluster(cluster: ClusterConfig, *, use_gpus: bool) -> PlacementPlan
         colocate=cluster.colocate,
         use_gpus=use_gpus,
         cpus_per_bundle=cluster.cpus_per_bundle,
+        teacher_engines=teacher_engines,
+        teacher_gpus_per_engine=teacher_gpus_per_engine,
     )
 
 

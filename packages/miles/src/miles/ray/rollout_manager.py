@@ -33,13 +33,16 @@ from miles.config.schema import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
+from miles.ray.teacher_engines import TeacherEngines
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.engine_supervisor import EngineSupervisor, FaultToleranceConfig
+from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
 from miles.rollout.generate import (
     RolloutConfig,
     RolloutOutput,
     generate_groups,
+    group_runner,
     sample_generator,
 )
 from miles.rollout.rewards import RewardHub
@@ -134,6 +137,7 @@ class RolloutManager:
         self.router: RouterProcess | None = None
         self.pool: EnginePool | None = None
         self.supervisor: EngineSupervisor | None = None
+        self.teachers: TeacherEngines | None = None  # --use-opd
         self._engine_kind = ""
         self._engine_specs: list[dict[str, Any]] = []
         # The engines this run launches answer admin calls (weights, memory, pause, abort) only
@@ -143,6 +147,8 @@ class RolloutManager:
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
+        self._fully_async: FullyAsyncRollouts | None = None
+        self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
 
     async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
@@ -224,9 +230,11 @@ class RolloutManager:
             self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
         logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
-        self.engine_urls = list(
-            await asyncio.wait_for(asyncio.gather(*starts), self._engine_start_bound_s)
+        students, _ = await asyncio.wait_for(
+            asyncio.gather(asyncio.gather(*starts), self._start_teachers(engine, has_gpus)),
+            self._engine_start_bound_s,
         )
+        self.engine_urls = list(students)
         for spec, url in zip(self._engine_specs, self.engine_urls, strict=True):
             spec["port"] = int(url.rsplit(":", 1)[1])  # a restart keeps the engine's URL
         self._start_balancing()
@@ -234,6 +242,13 @@ class RolloutManager:
             self._start_supervisor()
         self.startup_seconds["engines"] = time.perf_counter() - start
         return list(self.engine_urls)
+
+    async def _start_teachers(self, engine: str, has_gpus: bool) -> list[str]:
+        """--use-opd: the teacher engines, launched beside the student's; their URLs."""
+        if not self.config.distillation.use_opd:
+            return []
+        self.teachers = TeacherEngines(self.config, self.placement, admin_key=self._admin_key)
+        return await self.teachers.start(engine, self._engine_specs[0], has_gpus=has_gpus)
 
     def where(self) -> str:
         """ "pid P on node A": where this manager runs (for messages about it)."""
@@ -389,6 +404,10 @@ class RolloutManager:
     def get_engine_urls(self) -> list[str]:
         return list(self.engine_urls)
 
+    def get_teacher_urls(self) -> list[str]:
+        """The teacher engines' URLs (--use-opd); none without."""
+        return list(self.teachers.urls) if self.teachers else []
+
     def get_startup_seconds(self) -> dict[str, float]:
         """How long `start_engines` and `load_data` took (each measured here, where it ran)."""
         return dict(self.startup_seconds)
@@ -408,13 +427,23 @@ class RolloutManager:
         unscored = [g for g in groups if any(s.reward is None for s in g)]
         if unscored:  # a custom rollout function may leave scoring to the hub
             await self._score(unscored)
+        result = await self._train_data(groups, metrics)
+        result["metrics"]["rollout/time_s"] = time.perf_counter() - start
+        return result
+
+    async def _train_data(
+        self, groups: list[list[Any]], metrics: dict[str, float]
+    ) -> dict[str, Any]:
+        """Scored groups as train data: {"data": [ObjectRef per DP rank], "metrics": {...}}.
+        Every way of making a rollout (one rollout at a time, or taken from the fully-async
+        buffer) ends here."""
         # torch, imported on the first rollout rather than before the engines' launch.
         from miles.rollout.train_data import build_train_data, rollout_metrics
 
+        if self.teachers is not None:  # --use-opd: the teacher's log-prob of every response token
+            metrics = {**metrics, **await self.teachers.score(groups)}
         shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
-        metrics.update(rollout_metrics(groups))
-        metrics.update(self._reward_metrics)
-        metrics["rollout/time_s"] = time.perf_counter() - start
+        metrics = {**metrics, **rollout_metrics(groups), **self._reward_metrics}
         return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
 
     async def _rollout(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
@@ -506,7 +535,12 @@ class RolloutManager:
         save_dir = self.config.checkpoint.save
         assert save_dir, "save() needs --save"
         path = rollout_state_path(save_dir, rollout_id)
-        state = {"rollout_id": rollout_id, "data_source": self.data_source.state_dict()}
+        state: dict[str, Any] = {
+            "rollout_id": rollout_id,
+            "data_source": self.data_source.state_dict(),
+        }
+        if self._fully_async is not None:
+            state["fully_async"] = self._fully_async.state_dict()
         atomic_write_text(path, json.dumps(state))
         return path
 
@@ -522,12 +556,17 @@ class RolloutManager:
                 f"checkpoint {rollout_id} in {load_dir} has no rollout state ({path}); it was "
                 "written by another tool or its save was interrupted: resume from an earlier one"
             )
-        self.data_source.load_state_dict(json.loads(path.read_text())["data_source"])
+        state = json.loads(path.read_text())
+        self.data_source.load_state_dict(state["data_source"])
+        self._fully_async_state = state.get("fully_async")
         logger.info("resumed the data source at rollout %d from %s", rollout_id, path)
         return rollout_id
 
     async def dispose(self) -> None:
         """Stop the router and every engine; nothing started here outlives this call."""
+        if self._fully_async is not None:
+            await self._fully_async.stop()
+            self._fully_async = None
         if self.supervisor is not None:
             await self.supervisor.stop()
             self.supervisor = None
@@ -535,6 +574,9 @@ class RolloutManager:
             await self.pool.aclose()
             self.pool = None
         await self.reward_hub.aclose()
+        if self.teachers is not None:
+            await self.teachers.dispose()
+            self.teachers = None
         if self.router is not None:
             self.router.shutdown()
             self.router = None
@@ -547,3 +589,60 @@ class RolloutManager:
             for actor in self.engine_actors:
                 ray.kill(actor)
             self.engine_actors = []
+
+    # -- fully-async generation (miles.rollout.fully_async) ---------------------------------
+
+    async def start_fully_async(self, weight_version: int) -> None:
+        """Start generating in the background with the engines at `weight_version`, from the
+        buffer of the resumed checkpoint if there is one."""
+        assert self.pool is not None, "start_engines() before start_fully_async()"
+        training, rollout = self.config.training, self.config.rollout
+        assert training.fully_async_buffer_groups is not None, "derived by the config"
+        config = FullyAsyncConfig(
+            max_weight_staleness=training.max_weight_staleness,
+            buffer_groups=training.fully_async_buffer_groups,
+            unused_samples_handler=training.async_unused_samples_handler,
+            partial_rollout=rollout.partial_rollout,
+            mask_offpolicy=rollout.mask_offpolicy_in_partial_rollout,
+        )
+        run_group = group_runner(
+            self.pool, self.data_source, self._score, rollout,
+            generate_fn=await sample_generator(self.rollout_function, self.config),
+        )  # fmt: skip
+        buffer = FullyAsyncRollouts(
+            run_group, self.data_source, self.pool, config, weight_version=weight_version
+        )
+        if self._fully_async_state is not None:
+            buffer.load_state_dict(self._fully_async_state)
+            self._fully_async_state = None
+        self._fully_async = buffer
+        buffer.start()
+
+    async def take_rollout(self, rollout_id: int) -> dict[str, Any]:
+        """Rollout `rollout_id` from the fully-async buffer: the oldest --rollout-batch-size
+        ready groups within the staleness bound, as `generate` returns a rollout."""
+        assert self._fully_async is not None, "start_fully_async() before take_rollout()"
+        start = time.perf_counter()
+        try:
+            groups, metrics = await self._fully_async.take(self.config.rollout.rollout_batch_size)
+        except EngineError as err:
+            raise self._explain_engine_error(err) from err
+        result = await self._train_data(groups, metrics)
+        result["metrics"]["rollout/time_s"] = time.perf_counter() - start
+        # Scoring runs all the time: each rollout reports what was scored since the last one.
+        self._reward_metrics = {}
+        self._reward_failures = self._reward_scored = 0
+        return result
+
+    async def pause_for_weight_update(self) -> None:
+        """Nothing in flight on return: the groups finished on the old weights, or (partial
+        rollout) were aborted to continue on the new ones."""
+        assert self._fully_async is not None, "start_fully_async() first"
+        try:
+            await self._fully_async.pause_for_update()
+        except EngineError as err:
+            raise self._explain_engine_error(err) from err
+
+    async def resume_after_weight_update(self, weight_version: int) -> None:
+        assert self._fully_async is not None, "start_fully_async() first"
+        await self._fully_async.resume_after_update(weight_version)

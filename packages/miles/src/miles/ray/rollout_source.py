@@ -66,6 +66,14 @@ class EngineRollouts:
     def wait_done(self, pending: PendingRollout) -> None:
         self.await_call(pending.call)
 
+    def take(self, rollout_id: int) -> Rollout:
+        """Rollout `rollout_id` from the fully-async buffer; `time/generate_s` is how long the
+        trainer waited for it."""
+        start = time.perf_counter()
+        result = self.await_call(self.rollout_manager.take_rollout.remote(rollout_id))
+        metrics = {**result["metrics"], "time/generate_s": time.perf_counter() - start}
+        return Rollout(rollout_id, result["data"], metrics)
+
 
 class ReplayedRollouts:
     """Rollouts saved by an earlier run with --save-debug-rollout-data, one file per rollout."""

@@ -18,7 +18,7 @@ import ray
 from miles.backends.training_utils.algorithms import loss_spec
 from miles.config.schema import MilesConfig
 from miles.ray.cluster import init_ray
-from miles.ray.placement import Placement, create_placement, plan_for_cluster, remove_placement
+from miles.ray.placement import Placement, create_placement, plan_for_config, remove_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.rollout_source import (
     EngineRollouts,
@@ -66,6 +66,7 @@ class Run:
         self.start_rollout_id = 0
         self.num_rollout = 0
         self.fault_tolerant = False  # the rollout manager restarts lost engines
+        self.weight_version: int | None = None  # the engines' version after the last push
         self._manager_place: Any = None  # the manager's `where()`, once asked
         # The step-0 check compares with the engine's log-probs: a loss on given data (SFT) has
         # none to compare with, and a run without engines (replayed rollouts) nothing to check.
@@ -108,7 +109,7 @@ class Run:
         with clock.phase("ray"):
             has_gpus = self._join_ray()
         with clock.phase("placement"):
-            self.placement = create_placement(plan_for_cluster(cluster, use_gpus=has_gpus))
+            self.placement = create_placement(plan_for_config(config, use_gpus=has_gpus))
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         manager = manager_class.remote(config, self.placement, dp_size=dp_size)
@@ -211,9 +212,8 @@ class Run:
         # A local start gets this machine's devices, detected by Ray (asking torch would import
         # it, seconds, in a driver that never needs it). On CPU a bundle is a worker slot, not a
         # core, so a laptop with 2 cores still runs 3 slots: start enough for either plan.
-        cluster = self.config.cluster
         needed_cpus = 1 + max(
-            int(plan_for_cluster(cluster, use_gpus=gpus).total_resources().get("CPU", 0))
+            int(plan_for_config(self.config, use_gpus=gpus).total_resources().get("CPU", 0))
             for gpus in (False, True)
         )
         init_ray(self.config.ray_address, num_cpus=max(os.cpu_count() or 1, needed_cpus))
@@ -265,6 +265,7 @@ class Run:
         version = None
         if self.trainers is not None:
             version = self.trainers.restore_engines(push_to or urls)
+            self.weight_version = version
         self._from_manager(
             self.rollout_manager.admit_engines.remote(urls, version), "admit_engines",
             engine_wait_s=self.config.engine.engine_control_timeout_s,
@@ -405,12 +406,12 @@ class Run:
         self._phase("update weights")
         start = time.perf_counter()
         if not self.fault_tolerant:
-            self.trainers.update_weights()
+            self.weight_version = self.trainers.update_weights()
             return {"time/update_weights_s": time.perf_counter() - start}
         # Engines lost since the last rollout are back (or the run stops) before the push.
         self._restore_engines(self._recover_engines())
         try:
-            self.trainers.update_weights()
+            self.weight_version = self.trainers.update_weights()
         except Exception as err:
             lost = self._recover_engines()
             if not lost:
@@ -421,6 +422,46 @@ class Run:
                            lost, err)  # fmt: skip
             self._restore_engines(lost, push_to=list(self.engine_urls))
         return {"time/update_weights_s": time.perf_counter() - start}
+
+    def update_due(self, rollout_id: int) -> bool:
+        """Whether the weights go to the engines after rollout `rollout_id`: every
+        --update-weights-interval rollouts, and after the last (evaluation reads them)."""
+        done = rollout_id + 1
+        return done % self.config.training.update_weights_interval == 0 or done == self.num_rollout
+
+    # -- fully-async (miles.rollout.fully_async) -------------------------------------------------
+
+    def start_fully_async(self) -> None:
+        """Start the background generation, with the engines at the version just pushed."""
+        assert self.weight_version is not None, "initial_weight_update() first"
+        self._from_manager(
+            self.rollout_manager.start_fully_async.remote(self.weight_version), "start_fully_async"
+        )
+
+    def take_rollout(self, rollout_id: int) -> Rollout:
+        """The next train batch from the fully-async buffer (waiting until it is ready)."""
+        self._phase("wait for rollout", rollout_id)
+        assert isinstance(self.rollouts, EngineRollouts), "fully-async generates on engines"
+        rollout = self.rollouts.take(rollout_id)
+        if self.config.training.save_debug_rollout_data:
+            save_rollout(self.config.training.save_debug_rollout_data, rollout)
+        return rollout
+
+    def update_weights_while_generating(self) -> dict[str, float]:
+        """A fully-async weight update: generation stops (what is in flight finishes on the old
+        weights, or is aborted to continue on the new ones), the weights go out, generation
+        goes on at the new version."""
+        start = time.perf_counter()
+        self._phase("pause generation")
+        self._await_manager(self.rollout_manager.pause_for_weight_update.remote())
+        paused = time.perf_counter()
+        updated = self.update_weights()
+        self._from_manager(
+            self.rollout_manager.resume_after_weight_update.remote(self.weight_version),
+            "resume_after_weight_update", engine_wait_s=self.config.engine.engine_control_timeout_s,
+        )  # fmt: skip
+        return {**updated, "async/update_pause_s": paused - start,
+                "time/update_weights_s": time.perf_counter() - start}  # fmt: skip
 
     def _recover_engines(self) -> list[str]:
         call = self.rollout_manager.recover_engines.remote()

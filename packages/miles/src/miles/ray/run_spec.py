@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from miles.backends.training_utils.distillation import DistillationConfig
     from miles.config.schema import MilesConfig
 
 
@@ -39,6 +40,12 @@ class TrainRunSpec:
     """Bound on an engine's answer to a pause or resume around a weight push."""
     update_weights_timeout_s: float = 1800.0
     """Bound on an engine's answer to one weight-update call (--update-weights-timeout-s)."""
+    ref_load: str | None = None
+    """The reference model's checkpoint (--ref-load); None: `hf_checkpoint`."""
+    ref_update_interval: int | None = None
+    """Copy the policy into the reference model every this many rollouts (--ref-update-interval)."""
+    distillation: DistillationConfig | None = None
+    """On-policy distillation (--use-opd): how the teacher KL enters the train step."""
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -61,4 +68,7 @@ class TrainRunSpec:
             distributed_timeout_s=training.distributed_timeout_s,
             engine_control_timeout_s=config.engine.engine_control_timeout_s,
             update_weights_timeout_s=config.engine.update_weights_timeout_s,
+            ref_load=config.checkpoint.ref_load,
+            ref_update_interval=config.checkpoint.ref_update_interval,
+            distillation=config.distillation if config.distillation.use_opd else None,
         )

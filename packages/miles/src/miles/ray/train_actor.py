@@ -168,6 +168,7 @@ class TrainRayActor(abc.ABC):
             micro_batch_size=None if dynamic else backend.micro_batch_size,
             max_tokens_per_gpu=backend.max_tokens_per_gpu if dynamic else None,
             use_rollout_logprobs=backend.use_rollout_logprobs,
+            distillation=spec.distillation,
         )
         return self._resume()
 
@@ -195,7 +196,14 @@ class TrainRayActor(abc.ABC):
         """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
         self._require_awake("train")
         logger.info("rank %d: training rollout %d", self.rank, rollout_id)
-        return self._trainer.train(_resolve(data_ref))
+        metrics = self._trainer.train(_resolve(data_ref))
+        interval = self.spec.ref_update_interval
+        if interval is not None and (rollout_id + 1) % interval == 0:
+            # --ref-update-interval: the KL now anchors to the policy of this rollout's end.
+            self._engine.update_reference()
+            logger.info("rank %d: reference model set to the policy after rollout %d",
+                        self.rank, rollout_id)  # fmt: skip
+        return metrics
 
     def logprob_gap(self, data_ref: Any) -> float:
         """The step-0 check (architecture.md: "The loop"): mean |trainer - engine| log-prob over
@@ -228,8 +236,9 @@ class TrainRayActor(abc.ABC):
         self.engine_urls = tuple(engine_urls)
         self._engine_admin_key = admin_api_key
 
-    def update_weights(self) -> None:
-        """Push the weights to every engine as the next weight version (all ranks call this)."""
+    def update_weights(self) -> int:
+        """Push the weights to every engine as the next weight version (all ranks call this);
+        returns that version."""
         if not self.engine_urls:
             raise ValueError(
                 "update_weights() has no engine to update: connect_engines() was not called "
@@ -239,6 +248,7 @@ class TrainRayActor(abc.ABC):
             self._updater = self._make_updater()
         self.weight_version += 1
         self._push(self._updater)
+        return self.weight_version
 
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights, as the current version, to restarted engines (all ranks

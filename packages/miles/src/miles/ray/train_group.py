@@ -254,8 +254,9 @@ class RayTrainGroup:
         """The engines every rank pushes its weights to (see `TrainRayActor.connect_engines`)."""
         self.call("connect_engines", engine_urls, admin_api_key)
 
-    def update_weights(self) -> None:
-        self.call("update_weights")
+    def update_weights(self) -> int:
+        """Push the weights to the engines as the next version; returns that version."""
+        return self.call("update_weights")
 
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights to restarted engines; the weight version they now hold."""

@@ -153,13 +153,13 @@ class RolloutDataSource:
             "dataset_size": len(self._dataset),
             "next_group_index": self._next_group_index,
             "next_sample_index": self._next_sample_index,
-            "buffer": [[_sample_to_dict(s) for s in group] for group in self._buffer],
+            "buffer": [[sample_to_dict(s) for s in group] for group in self._buffer],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; refuses state made from other data or another order."""
         _check_state(state, self._config, len(self._dataset))
-        buffer = deque([Sample(**s) for s in group] for group in state["buffer"])
+        buffer = deque([sample_from_dict(s) for s in group] for group in state["buffer"])
         self._epoch = state["epoch"]
         self._position = state["epoch_position"]
         self._next_group_index = state["next_group_index"]
@@ -217,10 +217,16 @@ def _describe_group(group: Any) -> str:
     return f"of type {type(group).__name__}"
 
 
-def _sample_to_dict(sample: Sample) -> dict[str, Any]:
+def sample_to_dict(sample: Sample) -> dict[str, Any]:
+    """A sample as JSON values (its metadata must hold only JSON values)."""
     data = dataclasses.asdict(sample)
     data["status"] = str(sample.status.value)
     return data
+
+
+def sample_from_dict(data: dict[str, Any]) -> Sample:
+    """The sample `sample_to_dict` wrote."""
+    return Sample(**data)
 
 
 def _check_state(state: dict[str, Any], config: DataSourceConfig, dataset_size: int) -> None:

@@ -37,11 +37,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DataSource",
+    "GroupOutcome",
     "RolloutConfig",
     "RolloutOutput",
     "ScoreGroups",
     "generate_groups",
     "generate_rollout",
+    "group_runner",
     "sample_generator",
 ]
 
@@ -123,18 +125,27 @@ async def generate_groups(
     batch does not depend on which request happened to finish first. `generate_fn` makes each
     sample (default: --custom-generate-function-path, else one /generate call).
     """
-    if generate_fn is None:
-        generate_fn = generate_sample
-        if config.custom_generate_function_path:
-            generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
-    group_filter = None
-    if config.dynamic_sampling_filter_path:
-        group_filter = resolve_filter(config.dynamic_sampling_filter_path)
-    rollout = _Rollout(pool, data_source, score_groups, config, generate_fn, group_filter)
+    rollout = _Rollout(pool, data_source, score_groups, config, generate_fn)
     return await rollout.run(rollout_id)
 
 
-class _Outcome(enum.Enum):
+def group_runner(
+    pool: EnginePool,
+    data_source: DataSource,
+    score_groups: ScoreGroups,
+    config: RolloutConfig,
+    *,
+    generate_fn: GenerateFunction | None = None,
+) -> Callable[[list[Sample]], Awaitable[GroupOutcome]]:
+    """Run one group at a time exactly as `generate_groups` runs each of its groups: generate
+    (sent again from its start when an engine is lost), score, filter. For rollouts that are
+    not made one batch at a time (the fully-async buffer)."""
+    return _Rollout(pool, data_source, score_groups, config, generate_fn).run_group
+
+
+class GroupOutcome(enum.Enum):
+    """How one group's generation ended."""
+
     KEPT = "kept"
     FILTERED = "filtered"
     ABORTED = "aborted"  # some sample's generation was aborted
@@ -150,20 +161,27 @@ class _Rollout:
         data_source: DataSource,
         score_groups: ScoreGroups,
         config: RolloutConfig,
-        generate_fn: GenerateFunction,
-        group_filter: GroupFilter | None,
+        generate_fn: GenerateFunction | None,
     ):
+        """`generate_fn` makes each sample (default: --custom-generate-function-path, else one
+        /generate call)."""
+        if generate_fn is None:
+            generate_fn = generate_sample
+            if config.custom_generate_function_path:
+                generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
         self.pool = pool
         self.data_source = data_source
         self.score_groups = score_groups
         self.config = config
         self.generate_fn = generate_fn
-        self.group_filter = group_filter
+        self.group_filter: GroupFilter | None = None
+        if config.dynamic_sampling_filter_path:
+            self.group_filter = resolve_filter(config.dynamic_sampling_filter_path)
         self.base_params = config.sampling_params()
         self.slots = asyncio.Semaphore(config.rollout_concurrency)
         self.stopping = False
         self.groups: list[list[Sample]] = []  # every submitted group, by submission position
-        self.tasks: dict[asyncio.Task[_Outcome], int] = {}  # running group -> its position
+        self.tasks: dict[asyncio.Task[GroupOutcome], int] = {}  # running group -> its position
         self.kept: list[int] = []
         self.leftover: list[int] = []
         self.counts = dict.fromkeys(
@@ -217,7 +235,7 @@ class _Rollout:
                 s.status == SampleStatus.ABORTED and s.response_length > 0 for s in group
             )
             self.groups.append(group)
-            task = asyncio.create_task(self._run_group(group))
+            task = asyncio.create_task(self.run_group(group))
             self.tasks[task] = len(self.groups) - 1
 
     def _check_group(self, group: list[Sample]) -> None:
@@ -228,13 +246,13 @@ class _Rollout:
                 f"{self.config.n_samples_per_prompt}; build the data source with the same value"
             )
 
-    def _record(self, position: int, outcome: _Outcome) -> None:
+    def _record(self, position: int, outcome: GroupOutcome) -> None:
         """Account for a finished group task while the batch is still filling."""
-        if outcome is _Outcome.KEPT and len(self.kept) < self.config.rollout_batch_size:
+        if outcome is GroupOutcome.KEPT and len(self.kept) < self.config.rollout_batch_size:
             self.kept.append(position)
-        elif outcome is _Outcome.FILTERED:
+        elif outcome is GroupOutcome.FILTERED:
             self.counts["filtered_groups"] += 1
-        elif outcome is _Outcome.ABORTED:
+        elif outcome is GroupOutcome.ABORTED:
             # Not asked for by this rollout: an engine was paused in abort mode or failed a step.
             self.counts["aborted_groups"] += 1
             self.engine_aborted += 1
@@ -253,15 +271,15 @@ class _Rollout:
                 "abort itself; are they paused in abort mode or failing? Read the engine logs"
             )
 
-    async def _run_group(self, group: list[Sample]) -> _Outcome:
+    async def run_group(self, group: list[Sample]) -> GroupOutcome:
         """Generate, score and filter one group. When an engine dies under it, the whole group
         is sent again from where it started, so its samples share one policy and one attempt."""
         if not self.pool.fault_tolerant:
-            return await self._run_group_once(group)
+            return await self._run_group_attempt(group)
         start = copy.deepcopy(group)
         for attempt in range(1, _MAX_GROUP_REISSUES + 1):
             try:
-                return await self._run_group_once(group)
+                return await self._run_group_attempt(group)
             except EngineLostError as err:
                 group[:] = copy.deepcopy(start)
                 self.counts["reissued_groups"] += 1
@@ -275,7 +293,7 @@ class _Rollout:
             "read the engine logs"
         )
 
-    async def _run_group_once(self, group: list[Sample]) -> _Outcome:
+    async def _run_group_attempt(self, group: list[Sample]) -> GroupOutcome:
         if self._batchable(group):
             return await self._finish_group(group, await self._generate_group(group))
         tasks = [asyncio.create_task(self._generate(sample)) for sample in group]
@@ -289,16 +307,16 @@ class _Rollout:
             raise
         return await self._finish_group(group, group)
 
-    async def _finish_group(self, group: list[Sample], generated: list[Sample]) -> _Outcome:
+    async def _finish_group(self, group: list[Sample], generated: list[Sample]) -> GroupOutcome:
         group[:] = generated
         if any(sample.status == SampleStatus.ABORTED for sample in group):
-            return _Outcome.ABORTED
+            return GroupOutcome.ABORTED
         if self.stopping:
-            return _Outcome.UNSCORED
+            return GroupOutcome.UNSCORED
         await self.score_groups([group])
         if self.group_filter is None or keep_group(self.group_filter, group):
-            return _Outcome.KEPT
-        return _Outcome.FILTERED
+            return GroupOutcome.KEPT
+        return GroupOutcome.FILTERED
 
     def _batchable(self, group: list[Sample]) -> bool:
         """A fresh group with the default generate function goes out as one batched request:
@@ -363,10 +381,10 @@ class _Rollout:
             done, _ = await asyncio.wait(self.tasks, timeout=_ABORT_POLL_S)
             for task in done:
                 position, outcome = self.tasks.pop(task), task.result()
-                if outcome is _Outcome.FILTERED:
+                if outcome is GroupOutcome.FILTERED:
                     self.counts["filtered_groups"] += 1
                     continue
-                self.counts["aborted_groups"] += outcome is _Outcome.ABORTED
+                self.counts["aborted_groups"] += outcome is GroupOutcome.ABORTED
                 self.leftover.append(position)
             if self.tasks and time.monotonic() - started > 10:
                 logger.warning(

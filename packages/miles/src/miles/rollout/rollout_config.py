@@ -43,7 +43,11 @@ class RolloutConfig:
     built-in name: "nonzero_std" drops groups whose rewards are all equal."""
     partial_rollout: bool = False
     """--partial-rollout: leftover groups go back to the data source and aborted samples resume
-    from their partial response in the next rollout, instead of being dropped."""
+    from their partial response in the next rollout, instead of being dropped; with
+    --fully-async, requests in flight at a weight update continue on the new weights."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """--mask-offpolicy-in-partial-rollout: with --fully-async --partial-rollout, the response
+    tokens made by older weights than a sample's newest get loss mask 0."""
     custom_generate_function_path: str | None = None
     """--custom-generate-function-path: "pkg.mod:fn", async fn(pool, sample, sampling_params) ->
     Sample, replacing `generate_sample` (multi-turn, tools, ...)."""
@@ -125,19 +129,15 @@ class RolloutConfig:
                 )
 
     def _check_filter_flags(self) -> None:
-        # Over-sampling and partial rollout only act on groups a filter rejects or leaves over;
-        # without a filter they would be silent no-ops (architecture.md: "Design rules").
+        # Over-sampling only acts on groups a filter rejects; without a filter it would be a
+        # silent no-op (architecture.md: "Design rules"). --partial-rollout is checked with
+        # --fully-async, where it has a second use (`miles.config.schema`).
         if self.dynamic_sampling_filter_path is not None:
             check_filter_path(self.dynamic_sampling_filter_path)
         elif self.over_sampling_batch_size is not None:
             raise ValueError(
                 f"--over-sampling-batch-size ({self.over_sampling_batch_size}) only takes effect "
                 "with --dynamic-sampling-filter-path; set a filter (e.g. nonzero_std) or drop it"
-            )
-        elif self.partial_rollout:
-            raise ValueError(
-                "--partial-rollout resumes groups left over after a filtered rollout, and without "
-                "--dynamic-sampling-filter-path none are left over; set a filter or drop the flag"
             )
         if (
             self.over_sampling_batch_size is not None

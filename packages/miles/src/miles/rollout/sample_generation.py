@@ -91,8 +91,10 @@ def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
     version = meta.get("weight_version")
     if output_ids and version is not None:
         # A resumed sample may span weight updates: training sees the latest version, the
-        # metadata keeps every version that contributed tokens, oldest first.
+        # metadata keeps every version that contributed tokens, oldest first, and how many
+        # response tokens each made (what --mask-offpolicy-in-partial-rollout reads).
         sample.metadata.setdefault("weight_versions", []).append(version)
+        sample.metadata.setdefault("weight_version_tokens", []).append(len(output_ids))
         sample.weight_version = as_weight_version(version)
     sample.validate()
     return sample

@@ -83,6 +83,8 @@ class FSDPEngine:
         self.model = self._build_model(meshes["fsdp"], trainable=True)
         gather = args.fsdp_gather
         self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
+        # --ref-load: a reference model other than the start checkpoint.
+        self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
         self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -106,7 +108,7 @@ class FSDPEngine:
         # in host memory and visit the device per layer.
         offload = self.args.fsdp_cpu_offload if trainable else get_device_info().is_accelerator
         return build_fsdp_model(
-            self.hf_checkpoint,
+            self.hf_checkpoint if trainable else self.ref_checkpoint,
             mesh=mesh,
             device=self.device,
             precision=self.precision,
@@ -190,6 +192,29 @@ class FSDPEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Copy the policy's shards into the reference model's: both are sharded alike, so each
+        rank copies its own shards, in float32, with no communication."""
+        if self.ref_model is None:
+            raise RuntimeError("update_reference() asked of an engine built without with_ref")
+        for model in (self.model, self.ref_model):  # the root may still hold gathered weights
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        policy = dict(self.model.named_parameters())
+        reference = dict(self.ref_model.named_parameters())
+        if policy.keys() != reference.keys() or any(
+            policy[name].shape != ref.shape for name, ref in reference.items()
+        ):
+            raise ValueError(
+                f"--ref-update-interval copies the policy into the reference model, but the "
+                f"reference (--ref-load {self.ref_checkpoint}) has another architecture than the "
+                f"policy ({self.hf_checkpoint}); drop one of the two flags"
+            )
+        for name, ref in reference.items():
+            _local(ref).copy_(_local(policy[name]))
+
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip by the norm of the full gradient (over every shard), then step."""
         lr = self.optimizer.param_groups[0]["lr"]
@@ -266,3 +291,8 @@ class FSDPEngine:
                         state[key] = value.to(device, non_blocking=True)
         synchronize()
         empty_cache()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a (sharded) parameter."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

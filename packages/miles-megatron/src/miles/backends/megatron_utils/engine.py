@@ -82,6 +82,8 @@ class MegatronEngine:
         # the tensor-parallel sums of replicated parameters (e.g. Qwen3's q/k norms).
         self.transformer_config.finalize_model_grads_func = finalize_model_grads
         self.model = self._build_model(trainable=True)
+        # --ref-load: a reference model other than the start checkpoint.
+        self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
         self.ref_model = self._build_model(trainable=False) if with_ref else None
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -108,15 +110,19 @@ class MegatronEngine:
         self._asleep = False
 
     def _build_model(self, *, trainable: bool) -> torch.nn.Module:
+        source = self.hf_checkpoint if trainable else self.ref_checkpoint
+        # The reference model is shaped by its own checkpoint's config (--ref-load may name
+        # another architecture than the policy's), over the policy's vocabulary.
+        hf_config = self.hf_config if trainable else _reference_config(source, self.hf_config)
         model = build_gpt_model(
-            self.hf_config,
+            hf_config,
             self.mg,
             pre_process=mpu.is_pipeline_first_stage(),
             post_process=mpu.is_pipeline_last_stage(),
         ).to(self.device)
         # Every rank reads the HF weights and keeps its own tensor-parallel slices of them.
-        hf_model = AutoModelForCausalLM.from_pretrained(self.hf_checkpoint, dtype=torch.float32)
-        load_hf_weights(model, hf_model.state_dict(), self.hf_config, self.mg)
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        load_hf_weights(model, hf_model.state_dict(), hf_config, self.mg)
         del hf_model
         if not trainable:
             model.requires_grad_(False)
@@ -129,6 +135,25 @@ class MegatronEngine:
             ),
             module=model,
         )
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Copy the policy's weights (this rank's tensor- and pipeline-parallel slices) into the
+        reference model, which is built alike: no communication."""
+        if self.ref_model is None:
+            raise RuntimeError("update_reference() asked of an engine built without with_ref")
+        policy = dict(self.model.module.named_parameters())
+        reference = dict(self.ref_model.named_parameters())
+        if policy.keys() != reference.keys() or any(
+            policy[name].shape != ref.shape for name, ref in reference.items()
+        ):
+            raise ValueError(
+                f"--ref-update-interval copies the policy into the reference model, but the "
+                f"reference (--ref-load {self.ref_checkpoint}) has another architecture than the "
+                f"policy ({self.hf_checkpoint}); drop one of the two flags"
+            )
+        for name, ref in reference.items():
+            ref.copy_(policy[name])
 
     # -- forward and backward -----------------------------------------------------------------
 
@@ -248,6 +273,19 @@ def build_lr_scheduler(optimizer: Any, args: MegatronArgs, total_steps: int) -> 
         wsd_decay_steps=args.lr_wsd_decay_iters,
         lr_wsd_decay_style="linear" if args.lr_decay_style == "wsd" else None,
     )
+
+
+def _reference_config(checkpoint: str, policy_config: Any) -> Any:
+    """The HF config of the reference model's checkpoint; its vocabulary must be the policy's
+    (the forward keeps the first `vocab_size` logits, and the KL compares the two over it)."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.vocab_size != policy_config.vocab_size:
+        raise ValueError(
+            f"the reference model (--ref-load {checkpoint}) has a vocabulary of "
+            f"{config.vocab_size} tokens, the policy {policy_config.vocab_size}; the KL to the "
+            "reference needs one vocabulary: use a reference checkpoint with the policy's"
+        )
+    return config
 
 
 def _from_last_stage(value: Any) -> Any:

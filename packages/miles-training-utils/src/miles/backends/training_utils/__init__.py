@@ -12,11 +12,11 @@ optimizer step, weights, save/load, sleep/wake); `PolicyTrainer` does the rest::
 Losses and advantage estimators are registered once, in `algorithms` (`LOSSES`, `ESTIMATORS`).
 
 Modules: `trainer`, `train_engine`, `algorithms`, `loss`, `loss_config`, `advantages`,
-`ppo_utils` (formulas), `logprobs`, `sample`, `rollout_data`, `balance`, `micro_batch`,
+`ppo_utils` (formulas), `distillation` and `teacher_kl` (on-policy distillation), `logprobs`, `sample`, `rollout_data`, `balance`, `micro_batch`,
 `packing`, `data`, `parallel`, `log_utils`, `import_path`, `ci_utils`, `device`.
 
 The names below resolve on first use: importing a light submodule (`import_path`, `sample`,
-`loss_config`, `algorithms`) must not import torch, which costs seconds in every process.
+`loss_config`, `distillation`, `algorithms`) must not import torch, which costs seconds in every process.
 """
 
 import importlib
@@ -27,6 +27,7 @@ _EXPORTS = {
         "ESTIMATORS", "LOSSES", "Algorithm", "EstimatorSpec", "LossSpec",
         "compute_advantages_and_returns", "shape_rewards",
     ),
+    "distillation": ("DistillationConfig",),
     "logprobs": ("get_log_probs_and_entropy",),
     "loss": ("LossNormalizer", "policy_loss", "sft_loss"),
     "loss_config": ("LossConfig",),

@@ -25,6 +25,8 @@ Keys made by `samples_to_rollout_batch`:
     raw_reward         float: the reward function's output, for logging.
     rollout_log_probs  list[float] per sample, one per response token; only when every sample
                        has them.
+    teacher_log_probs  list[float] per sample, one per response token: the teacher's scores
+                       (--use-opd); only when every sample has them.
     sample_indices     int: `Sample.index`, to map rows back to samples.
     weight_versions    int | None: the engine weight version that generated the sample.
 Keys added by training, one value per response token unless noted:
@@ -39,10 +41,12 @@ ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "rewards",
     "raw_reward",
     "rollout_log_probs",
+    "teacher_log_probs",
     "sample_indices",
     "weight_versions",
 )
-"""Keys `samples_to_rollout_batch` may produce (`rollout_log_probs` only when all samples have them)."""
+"""Keys `samples_to_rollout_batch` may produce (`rollout_log_probs` and `teacher_log_probs` only
+when all samples have them)."""
 
 
 def batch_size(batch: RolloutBatch) -> int:
@@ -85,15 +89,19 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
         "sample_indices": [s.index for s in samples],
         "weight_versions": [s.weight_version for s in samples],
     }
-    with_log_probs = [s.rollout_log_probs is not None for s in samples]
-    if all(with_log_probs) and samples:
-        batch["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]  # type: ignore[arg-type]
-    elif any(with_log_probs):
-        missing = [s.index for s, has in zip(samples, with_log_probs, strict=True) if not has]
-        raise ValueError(
-            f"samples {missing[:8]} have no rollout_log_probs while others do; request log-probs "
-            "(return_logprob) for every generation or for none"
-        )
+    for column, hint in (
+        (
+            "rollout_log_probs",
+            "request log-probs (return_logprob) for every generation or for none",
+        ),
+        ("teacher_log_probs", "score every sample with the teacher (--use-opd) or none"),
+    ):
+        values = [getattr(s, column) for s in samples]
+        if samples and all(v is not None for v in values):
+            batch[column] = [list(v) for v in values]
+        elif any(v is not None for v in values):
+            missing = [s.index for s, v in zip(samples, values, strict=True) if v is None]
+            raise ValueError(f"samples {missing[:8]} have no {column} while others do; {hint}")
     return batch
 
 

@@ -60,6 +60,9 @@ class Sample:
     """Log-probability the inference engine gave each response token; None if not requested."""
     loss_mask: list[int] | None = None
     """1 for response tokens trained on, 0 for the rest (e.g. tool output); None means all ones."""
+    teacher_log_probs: list[float] | None = None
+    """Log-probability a teacher model gives each response token (on-policy distillation,
+    --use-opd); None without a teacher."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data for custom rollout and reward functions."""
     messages: list[dict[str, Any]] | None = None
@@ -93,6 +96,7 @@ class Sample:
             )
         self._check_per_token("rollout_log_probs", self.rollout_log_probs)
         self._check_per_token("loss_mask", self.loss_mask)
+        self._check_per_token("teacher_log_probs", self.teacher_log_probs)
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(
                 f"sample {self.index}: loss_mask must hold only 0 and 1, got "

@@ -86,6 +86,11 @@ class TrainEngine(Protocol):
         """Drop the accumulated gradients."""
         ...
 
+    def update_reference(self) -> None:
+        """Set the frozen reference model's weights to the policy's, an exact copy
+        (--ref-update-interval); only called on an engine built with a reference model."""
+        ...
+
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip by the full gradient norm, step the optimizer and the learning-rate schedule."""
         ...

@@ -19,11 +19,21 @@ from torch import Tensor
 from miles.backends.training_utils.algorithms import Algorithm, compute_advantages_and_returns
 from miles.backends.training_utils.data import DataIterator, get_data_iterator, token_columns
 from miles.backends.training_utils.device import collective_device
-from miles.backends.training_utils.log_utils import aggregate_train_losses, log_train_step
-from miles.backends.training_utils.loss import LossNormalizer
+from miles.backends.training_utils.distillation import DistillationConfig
+from miles.backends.training_utils.log_utils import (
+    aggregate_train_losses,
+    log_train_step,
+    token_weighted,
+)
+from miles.backends.training_utils.loss import LossNormalizer, reduce_loss
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.micro_batch import num_micro_batches
 from miles.backends.training_utils.rollout_data import RolloutBatch, batch_size, select_rows
+from miles.backends.training_utils.teacher_kl import (
+    kl_loss_per_token,
+    penalize_advantages,
+    reverse_kl,
+)
 from miles.backends.training_utils.train_engine import TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -50,9 +60,11 @@ class PolicyTrainer:
         micro_batch_size: int | None,
         max_tokens_per_gpu: int | None,
         use_rollout_logprobs: bool = False,
+        distillation: DistillationConfig | None = None,
     ) -> None:
         """`micro_batch_size` and `max_tokens_per_gpu`: exactly one is set (fixed micro-batches
-        of that many samples, or dynamic ones of at most that many tokens per GPU)."""
+        of that many samples, or dynamic ones of at most that many tokens per GPU).
+        `distillation`: with --use-opd, the teacher KL enters the advantages or the loss."""
         if (micro_batch_size is None) == (max_tokens_per_gpu is None):
             raise ValueError(
                 "pass either micro_batch_size (fixed micro-batches) or max_tokens_per_gpu "
@@ -67,6 +79,9 @@ class PolicyTrainer:
         self.engine = engine
         self.config = loss
         self.algorithm = Algorithm.from_config(loss)
+        self.distillation = distillation if distillation and distillation.use_opd else None
+        # The teacher KL compares the teacher with the policy that sampled (the old policy).
+        self.inputs = self.algorithm.inputs | ({"old_log_probs"} if self.distillation else set())
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_gpu = max_tokens_per_gpu
@@ -98,7 +113,13 @@ class PolicyTrainer:
         # With one optimizer step the old policy *is* the policy when the step starts: its
         # log-probs come from the step's own forward (detached), not from a second pass. A KL
         # penalty folded into rewards needs them before the step, for the advantages.
-        old_from_step = num_steps == 1 and not self.use_rollout_logprobs and not self.config.kl_coef
+        # The same holds for the teacher KL folded into the advantages.
+        old_from_step = (
+            num_steps == 1
+            and not self.use_rollout_logprobs
+            and not self.config.kl_coef
+            and not (self.distillation and self.distillation.kl_in_advantages)
+        )
         self._prepare(batch, old_from_step=old_from_step)
         per_step = batch_size(batch) // num_steps
         metrics = []
@@ -140,7 +161,7 @@ class PolicyTrainer:
 
     def _prepare(self, batch: RolloutBatch, *, old_from_step: bool) -> None:
         """The batch inputs needed before the first step, for the whole shard."""
-        inputs = self.algorithm.inputs
+        inputs = self.inputs
         if "values" in inputs:
             raise ValueError(
                 f"--advantage-estimator {self.config.advantage_estimator} needs a critic's "
@@ -155,8 +176,22 @@ class PolicyTrainer:
                 batch["log_probs"] = self.log_probs(batch, reference=False)
         if "ref_log_probs" in inputs:
             batch["ref_log_probs"] = self.log_probs(batch, reference=True)
+        if self.distillation is not None and "teacher_log_probs" not in batch:
+            raise ValueError(
+                "--use-opd trains on the teacher's log-probs, but the batch has no "
+                "'teacher_log_probs': the rollout manager scores every sample with the teacher "
+                "engines; a custom path that builds train data must keep Sample.teacher_log_probs"
+            )
         if "advantages" in inputs:
             compute_advantages_and_returns(batch, self.config, group=self.engine.dp_group)
+            if self.distillation is not None and self.distillation.kl_in_advantages:
+                batch["advantages"] = penalize_advantages(
+                    batch["advantages"],
+                    [torch.as_tensor(lp) for lp in batch["log_probs"]],
+                    [torch.as_tensor(lp) for lp in batch["teacher_log_probs"]],
+                    [torch.as_tensor(m) for m in batch["loss_masks"]],
+                    coef=self.distillation.opd_kl_coef,
+                )
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -173,9 +208,11 @@ class PolicyTrainer:
         micro_batches = list(self._micro_batches(step_batch))
         columns = [
             _COLUMNS[name]
-            for name in sorted(self.algorithm.inputs)
+            for name in sorted(self.inputs)
             if not (old_from_step and name == "old_log_probs")
         ]
+        if self.distillation is not None:
+            columns.append("teacher_log_probs")
         compute_loss, config = self.algorithm.loss.loss_function, self.config
 
         def loss_fn(index: int, log_probs: Tensor, entropy: Tensor):
@@ -190,9 +227,12 @@ class PolicyTrainer:
             for name, column in _COLUMNS.items():
                 if column in columns:
                     inputs[name] = tensors[column].to(log_probs.device)
-            if old_from_step and "old_log_probs" in self.algorithm.inputs:
+            if old_from_step and "old_log_probs" in self.inputs:
                 inputs["old_log_probs"] = log_probs.detach()  # ratio 1: the step's start policy
             loss, metrics = compute_loss(inputs, config, normalizer)
+            if self.distillation is not None:
+                teacher = tensors["teacher_log_probs"].to(log_probs.device)
+                loss = loss + self._teacher_kl_term(inputs, teacher, normalizer, metrics)
             # Each micro-batch's loss carries reduce_loss's x dp factor; weighted 1 / (micro-
             # batches per rank), the weights over every rank add up to dp, so the mean is the
             # global batch's loss.
@@ -210,6 +250,23 @@ class PolicyTrainer:
         return log_train_step(
             metrics, step=self.global_step, lr=result.lr, grad_norm=result.grad_norm
         )
+
+    def _teacher_kl_term(
+        self, inputs: dict[str, Any], teacher: Tensor, normalizer: LossNormalizer, metrics: dict
+    ) -> Tensor:
+        """Reports `opd_teacher_kl` (mean per trainable token); returns the loss-mode term (0 in
+        advantages mode, where the KL already is in the advantages)."""
+        assert self.distillation is not None
+        mask, old = inputs["loss_mask"], inputs["old_log_probs"]
+        metrics["opd_teacher_kl"] = token_weighted(reverse_kl(old, teacher), mask)
+        if not self.distillation.kl_in_loss:
+            return torch.zeros((), dtype=inputs["log_probs"].dtype, device=mask.device)
+        per_token = kl_loss_per_token(inputs["log_probs"], old, teacher)  # (T,)
+        term = reduce_loss(
+            per_token, mask.to(per_token.dtype), list(inputs["response_lengths"]),
+            config=self.config, normalizer=normalizer,
+        )  # fmt: skip
+        return self.distillation.opd_kl_coef * term
 
     # -- micro-batches and collectives --------------------------------------------------------
 
