@@ -9,9 +9,12 @@ from pathlib import Path
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 
-def tiny_run_assets(root: Path, *, operands: int = 4) -> tuple[Path, Path]:
-    """(checkpoint, prompt file) under `root`: max(a,b) for a, b in range(operands)."""
-    checkpoint = build_tiny_checkpoint(root / "ckpt", seed=0)
+def tiny_run_assets(
+    root: Path, *, operands: int = 4, architecture: str = "qwen3"
+) -> tuple[Path, Path]:
+    """(checkpoint, prompt file) under `root`: max(a,b) for a, b in range(operands); the
+    checkpoint a tiny `architecture` (tiny_checkpoint.TINY_CONFIGS)."""
+    checkpoint = build_tiny_checkpoint(root / "ckpt", seed=0, architecture=architecture)
     data = root / "train.jsonl"
     rows = [
         {"input": f"max({a},{b})=", "label": str(max(a, b))}

@@ -138,6 +138,19 @@ def test_a_fully_async_run_trains_within_the_bound_and_resumes_with_its_buffer(a
             assert tuple(sample["tokens"]) in trained_tokens
 
 
+def test_a_moe_run_with_rollout_routing_replay_trains_on_the_engines_experts(tmp_path):
+    """Tiny Qwen3-MoE (4 experts, top-2) end to end with R3: the engine reports each token's
+    experts, the trainer replays them, and the step-0 check finds trainer and engine agree."""
+    checkpoint, data = tiny_run_assets(tmp_path / "assets", architecture="qwen3_moe")
+    records = run(
+        (checkpoint, data), tmp_path / "run", "--num-rollout", "2", "--rollout-num-gpus", "1",
+        "--use-rollout-routing-replay", "--check-weight-sync-tolerance", "1e-4",
+    )  # fmt: skip
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert records[0]["check/logprob_abs_diff"] < 1e-4
+    assert all("train/loss" in r for r in records)
+
+
 def test_an_agent_run_trains_on_its_sessions_and_evaluates_through_them(assets, tmp_path):
     """--agent-function-path in a real run: the session server lives in the rollout manager's
     actor, every sample is a two-turn session, held-out prompts go through the same agent."""

@@ -28,13 +28,13 @@ BUFFER_BYTES = 48 << 10
 
 
 @contextlib.contextmanager
-def engine_process(model_path: Path) -> Iterator[str]:
-    """A `miles-reference-engine` on a free loopback port; yields its URL at once (the caller
-    waits for /health), and kills its process group at the end."""
+def engine_process(model_path: Path, *flags: str) -> Iterator[str]:
+    """A `miles-reference-engine` (with `flags`) on a free loopback port; yields its URL at once
+    (the caller waits for /health), and kills its process group at the end."""
     port = free_port()
     script = Path(sys.prefix) / "bin" / "miles-reference-engine"
     command = [str(script), "--model-path", str(model_path), "--port", str(port),
-               "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+               "--dtype", "float32", "--log-level", "warning", *flags]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(command, env=env, start_new_session=True)
     try:

@@ -196,6 +196,24 @@ def test_unsupported_architectures_are_named_with_the_supported_list():
         validate_against_hf(MegatronArgs(), config, world_size=1)
 
 
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        (transformers.Qwen3MoeConfig(num_experts=8), "Mixture-of-Experts models (qwen3_moe, 8"),
+        (transformers.Qwen3_5MoeConfig(), "Gated DeltaNet hybrids (qwen3_5_moe)"),
+        (transformers.Qwen3_5Config(), "Gated DeltaNet hybrids (qwen3_5)"),
+        (transformers.Qwen3_5TextConfig(), "Gated DeltaNet hybrids (qwen3_5_text)"),
+        (transformers.Qwen3NextConfig(), "Gated DeltaNet hybrids (qwen3_next)"),
+        (transformers.MixtralConfig(), "Mixture-of-Experts models (mixtral, 8"),
+    ],
+)
+def test_moe_and_gdn_families_are_refused_in_one_line_naming_the_fsdp_backend(config, family):
+    with pytest.raises(ValueError, match=re.escape(family)) as refused:
+        validate_against_hf(MegatronArgs(), config, world_size=1)
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith("use --train-backend fsdp"), message
+
+
 def test_llama_mlp_bias_is_rejected_but_qwen2_qkv_bias_is_native():
     llama = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, mlp_bias=True)
     with pytest.raises(ValueError, match=re.escape("llama config sets mlp_bias=True")):

@@ -131,3 +131,23 @@ def test_a_decode_step_appends_in_place_while_its_buffer_has_room():
     assert second.data_ptr() == first.data_ptr() and second.shape == (2, 3, 6, 5)
     torch.testing.assert_close(second[:, :, :4], cached)
     torch.testing.assert_close(second[:, :, 4], first[:, :, 4])
+
+
+@pytest.mark.parametrize(
+    ("config_class", "architecture"),
+    [("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), ("Qwen3NextConfig", "Qwen3NextForCausalLM")],
+)
+def test_a_model_with_recurrent_gdn_layers_is_refused_naming_its_architecture(
+    config_class, architecture
+):
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=f"cannot serve {architecture} .*--rollout-engine sglang"):
+        ModelRunner(model, torch.device("cpu"))

@@ -181,6 +181,13 @@ class TrainingConfig:
     update_weights_interval: int = 1
     """Push the trained weights to the engines every this many rollouts (and after the last);
     above 1 the engines generate with older weights, so it needs --off-policy-correction."""
+    use_rollout_routing_replay: bool = False
+    """MoE routing replay R3: the engines report each token's experts (return_routed_experts)
+    and every trainer forward routes the tokens to exactly those; the gates are recomputed from
+    the router's logits, so the router still learns."""
+    use_routing_replay: bool = False
+    """MoE routing replay R2: the optimizer steps of a rollout route each token as the
+    old-policy forward did (needs a loss that computes old log-probs)."""
     debug_rollout_only: bool = False
     """Generate and score rollouts without training (engines only)."""
     debug_train_only: bool = False
@@ -228,6 +235,11 @@ class TrainingConfig:
         _at_least(self.max_weight_staleness, 0, "--max-weight-staleness")
         _at_least(self.fully_async_buffer_groups, 1, "--fully-async-buffer-groups")
         _at_least(self.update_weights_interval, 1, "--update-weights-interval")
+        if self.use_rollout_routing_replay and self.use_routing_replay:
+            raise ValueError(
+                "--use-rollout-routing-replay (the engine's experts) and --use-routing-replay "
+                "(the old-policy forward's) are two sources of replayed routing; pick one"
+            )
         if self.fully_async and self.async_train:
             raise ValueError(
                 "--fully-async and --async-train are two ways to overlap generation with "

@@ -14,6 +14,7 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from miles.backends.training_utils.distillation import DistillationConfig
@@ -342,6 +343,42 @@ def _check_fully_async_rollout(config: MilesConfig) -> None:
         )
 
 
+def _check_routing_replay(config: MilesConfig) -> None:
+    """R3 and R2 replay a MoE model's routing; R3 asks the engines for it on every request."""
+    training, rollout = config.training, config.rollout
+    flag = (
+        "--use-rollout-routing-replay" if training.use_rollout_routing_replay
+        else "--use-routing-replay" if training.use_routing_replay else None
+    )  # fmt: skip
+    if flag is None:
+        return
+    from miles.utils.hf_config import hf_config_value
+
+    checkpoint = config.checkpoint.hf_checkpoint
+    experts = hf_config_value(checkpoint, "num_experts") or hf_config_value(
+        checkpoint, "num_local_experts"
+    )
+    if Path(checkpoint, "config.json").is_file() and not experts:
+        raise ValueError(
+            f"{flag} replays a MoE model's routing, but {checkpoint} has no experts "
+            "(num_experts in its config.json); drop the flag for a dense model"
+        )
+    if config.cluster.train_backend != "fsdp":
+        raise ValueError(f"{flag} is implemented by the FSDP backend; use --train-backend fsdp")
+    if training.use_rollout_routing_replay:
+        from miles.rollout.rollout_config import DEFAULT_ROLLOUT_FUNCTION
+
+        if rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION or (
+            rollout.custom_generate_function_path is not None
+        ):
+            raise ValueError(
+                "--use-rollout-routing-replay keeps each sample's engine routing from the "
+                "built-in single-turn generation; multi-turn and custom generation do not ask "
+                "for it yet: use --use-routing-replay (R2) with them"
+            )
+        rollout.return_routed_experts = True
+
+
 def _check_across_groups(config: MilesConfig) -> None:
     """Every combination of settings that cannot work, or that would silently do nothing."""
     cluster, training = config.cluster, config.training
@@ -353,6 +390,7 @@ def _check_across_groups(config: MilesConfig) -> None:
     _check_async_modes(config)
     _check_reference_model(config)
     _check_distillation(config)
+    _check_routing_replay(config)
     if config.engine.use_fault_tolerance and cluster.colocate:
         raise ValueError(
             "--use-fault-tolerance restarts a lost engine at once, but with --colocate it "

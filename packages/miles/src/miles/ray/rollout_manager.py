@@ -99,6 +99,7 @@ def engine_launch_spec(
         "log_path": str(log_dir / f"engine_{index}.log"),
         "extra_args": extra_args,
         "visible_devices": visible_devices,
+        "return_routed_experts": config.training.use_rollout_routing_replay,
     }
 
 

@@ -7,7 +7,7 @@ machinery (torch) there would cost seconds before the first rollout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from miles.backends.training_utils.distillation import DistillationConfig
@@ -46,6 +46,9 @@ class TrainRunSpec:
     """Copy the policy into the reference model every this many rollouts (--ref-update-interval)."""
     distillation: DistillationConfig | None = None
     """On-policy distillation (--use-opd): how the teacher KL enters the train step."""
+    routing_replay: Literal["rollout", "old_policy"] | None = None
+    """MoE routing replay: the engine's experts (rollout, R3: --use-rollout-routing-replay) or
+    the old-policy forward's (old_policy, R2: --use-routing-replay); None: the router decides."""
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -71,4 +74,8 @@ class TrainRunSpec:
             ref_load=config.checkpoint.ref_load,
             ref_update_interval=config.checkpoint.ref_update_interval,
             distillation=config.distillation if config.distillation.use_opd else None,
-        )
+            routing_replay=(
+                "rollout" if training.use_rollout_routing_replay
+                else "old_policy" if training.use_routing_replay else None
+            ),
+        )  # fmt: skip

@@ -50,6 +50,7 @@ class TeacherEngines:
                 "log_path": str(log_dir / f"teacher_{i}.log"),
                 "visible_devices": self.placement.teacher_devices(i) if self.placement else None,
                 "admin_api_key": self.admin_key,
+                "return_routed_experts": False,  # the teacher only scores; nothing replays it
             }
             actor = self._actor(i, has_gpus)
             self.actors.append(actor)

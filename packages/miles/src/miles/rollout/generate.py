@@ -346,6 +346,8 @@ class _Rollout:
                 "sampling_params": params,
                 "return_logprob": True,
             }
+            if self.config.return_routed_experts:
+                payload["return_routed_experts"] = True
             responses = await self.pool.generate(payload)
         if not isinstance(responses, list) or len(responses) != len(group):
             raise ValueError(
@@ -370,6 +372,8 @@ class _Rollout:
                 "max_new_tokens": remaining,
                 "sampling_seed": self.config.sampling_seed(sample.index, sample.response_length),
             }
+            if self.generate_fn is generate_sample and self.config.return_routed_experts:
+                return await generate_sample(self.pool, sample, params, return_routed_experts=True)
             return await self.generate_fn(self.pool, sample, params)
 
     async def _drain_leftovers(self, rollout_id: int) -> None:

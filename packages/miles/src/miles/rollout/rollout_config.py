@@ -45,6 +45,9 @@ class RolloutConfig:
     """--partial-rollout: leftover groups go back to the data source and aborted samples resume
     from their partial response in the next rollout, instead of being dropped; with
     --fully-async, requests in flight at a weight update continue on the new weights."""
+    return_routed_experts: bool = False
+    """--return-routed-experts: ask the engines for each token's MoE experts and keep them on the
+    sample (set by --use-rollout-routing-replay, which trains with them)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """--mask-offpolicy-in-partial-rollout: with --fully-async --partial-rollout, the response
     tokens made by older weights than a sample's newest get loss mask 0."""

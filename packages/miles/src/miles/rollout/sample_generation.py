@@ -54,14 +54,21 @@ def needs_generation(sample: Sample) -> bool:
 
 
 async def generate_sample(
-    pool: EnginePool, sample: Sample, sampling_params: dict[str, Any]
+    pool: EnginePool,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    *,
+    return_routed_experts: bool = False,
 ) -> Sample:
-    """One /generate from `sample.tokens` (prompt plus any partial response); updates `sample`."""
+    """One /generate from `sample.tokens` (prompt plus any partial response); updates `sample`.
+    `return_routed_experts`: keep the engine's MoE routing of the tokens (routing replay)."""
     payload = {
         "input_ids": sample.tokens,
         "sampling_params": sampling_params,
         "return_logprob": True,
     }
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
     response = await pool.generate(payload)
     return append_response(sample, response)
 
@@ -88,6 +95,9 @@ def append_response(sample: Sample, response: dict[str, Any]) -> Sample:
     sample.response_length += len(output_ids)
     sample.response += response.get("text") or ""
     sample.status = finish_status(response)
+    if meta.get("routed_experts") is not None:
+        # Each answer covers every token read so far, prompt included: the latest supersedes.
+        sample.routed_experts = meta["routed_experts"]
     version = meta.get("weight_version")
     if output_ids and version is not None:
         # A resumed sample may span weight updates: training sees the latest version, the

@@ -32,7 +32,9 @@ from miles.backends.fsdp_utils.modeling import (
 )
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
+from miles.backends.fsdp_utils.routing import PackedRouting, Phase
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
 from miles.backends.training_utils.data import get_batch
 from miles.backends.training_utils.device import empty_cache, get_device_info, synchronize
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
@@ -81,6 +83,11 @@ class FSDPEngine:
         self.precision = PrecisionPolicy.from_args(args, get_device_info().kind)
         self.engine_dtype = self.precision.engine_dtype
         self.model = self._build_model(meshes["fsdp"], trainable=True)
+        self.routing = (
+            PackedRouting(self.model, spec.routing_replay, args.attn_implementation)
+            if spec.routing_replay is not None
+            else None
+        )
         gather = args.fsdp_gather
         self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
         # --ref-load: a reference model other than the start checkpoint.
@@ -120,12 +127,19 @@ class FSDPEngine:
 
     # -- forward and backward -----------------------------------------------------------------
 
-    def _log_probs(self, model: nn.Module, micro: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """(sum R,) log-probs and entropies of a micro-batch's response tokens."""
+    def _log_probs(
+        self, model: nn.Module, micro: RolloutBatch, phase: Phase | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(sum R,) log-probs and entropies of a micro-batch's response tokens; `phase`: a
+        policy forward, routed as routing replay says."""
         packed = get_batch(micro, ())["packed"]
-        logits = packed_logits(
-            model, packed, attn_implementation=self.args.attn_implementation, device=self.device
-        )  # (T, V)
+        routed = contextlib.nullcontext()
+        if self.routing is not None and phase is not None:
+            routed = self.routing.around(micro, packed, phase)
+        with routed:
+            logits = packed_logits(
+                model, packed, attn_implementation=self.args.attn_implementation, device=self.device
+            )  # (T, V)
         positions = response_positions(packed).to(self.device)  # (sum R,)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
         return get_log_probs_and_entropy(logits[positions], targets, temperature=self.temperature)
@@ -138,8 +152,11 @@ class FSDPEngine:
             raise RuntimeError("reference log-probs asked of an engine built without with_ref")
         was_training = model.training
         model.eval()
+        phase: Phase | None = None if reference else "old_policy"
+        if self.routing is not None and not reference:
+            self.routing.start_old_policy_pass()
         with torch.no_grad():
-            out = [self._log_probs(model, micro)[0].float().cpu() for micro in micro_batches]
+            out = [self._log_probs(model, micro, phase)[0].float().cpu() for micro in micro_batches]
         model.train(was_training)
         return out
 
@@ -151,7 +168,7 @@ class FSDPEngine:
         with self._gathered_for_the_step(len(micro_batches)) as before:
             for index, micro in enumerate(micro_batches):
                 before(index)
-                log_probs, entropy = self._log_probs(self.model, micro)
+                log_probs, entropy = self._log_probs(self.model, micro, "train")
                 loss, pairs = loss_fn(index, log_probs, entropy)
                 loss.backward()
                 metrics.append(pairs)
@@ -237,7 +254,8 @@ class FSDPEngine:
     # -- weights, checkpoints, memory ---------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        return iter_full_tensors(self.model, self.engine_dtype)
+        # Engines take MoE experts per expert, as checkpoints hold them (SGLang's loaders).
+        return split_fused_experts(iter_full_tensors(self.model, self.engine_dtype))
 
     def weights_on_device(self) -> contextlib.AbstractContextManager[None]:
         # A sleeping FSDP model sits in host memory, where its shards stay readable.

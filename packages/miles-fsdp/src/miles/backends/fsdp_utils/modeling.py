@@ -1,6 +1,6 @@
 """The FSDP2 model: built from a Hugging Face checkpoint read by rank 0 alone, sharded per
-decoder layer, and run on packed micro-batches whose documents never attend to each other
-(a block-diagonal causal mask for sdpa and eager, restarting position ids for flash attention).
+decoder layer, and run on packed micro-batches whose documents never see each other (varlen
+boundaries for flash attention and Gated DeltaNet layers, one padded row per document otherwise).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
 from miles.backends.training_utils.packing import PackedBatch
 
@@ -55,6 +56,7 @@ def build_fsdp_model(
                 config, dtype=torch.float32, attn_implementation=attn_implementation
             )
     model.config.use_cache = False
+    enable_gdn_packing(model)  # before the forward ever sees a packed row
     if gradient_checkpointing and trainable:
         # Non-reentrant: it composes with FSDP2's autograd hooks (the reentrant one does not).
         if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name
@@ -155,16 +157,21 @@ def packed_logits(
 ) -> torch.Tensor:
     """(T, V) logits of a packed row, each document attending only to itself.
 
-    flash_attention_2 runs the packed row as is and finds document boundaries in the restarting
-    position ids (varlen kernels, as transformers does). sdpa and eager run the documents as the
-    rows of a right-padded batch instead: causal attention never lets a position see the padding
-    after it, so no mask is needed, and the cost is sum of L_i^2 rather than the (sum L_i)^2 of a
-    block-diagonal mask over the packed row. The logits come back in the packed row's layout.
+    flash_attention_2, and any model with Gated DeltaNet layers, run the packed row as one
+    sequence given its segment boundaries: varlen attention kernels take them (and sdpa / eager
+    build a block-diagonal mask from the restarting position ids), and the GDN layers restart
+    their recurrent state and short convolution at each one (`gdn_packing`). Other models on sdpa
+    and eager run the documents as the rows of a right-padded batch instead: causal attention
+    never lets a position see the padding after it, so no mask is needed, and the cost is sum of
+    L_i^2 rather than the (sum L_i)^2 of a block-diagonal mask over the packed row. The logits
+    come back in the packed row's layout.
     """
-    if attn_implementation == "flash_attention_2":
+    if attn_implementation == "flash_attention_2" or enable_gdn_packing(model):
         input_ids = packed.input_ids.to(device)  # (1, T)
         position_ids = packed.position_ids.to(device)  # (1, T)
-        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+        segments = boundary_kwargs(packed.cu_seqlens_with_padding.to(device), packed.max_seqlen)
+        output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **segments)
+        return output.logits[0]
     lengths = packed.cu_seqlens.diff().tolist()
     documents = packed.input_ids[0, : int(packed.cu_seqlens[-1])].split(lengths)
     rows = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True).to(device)  # (B, L)

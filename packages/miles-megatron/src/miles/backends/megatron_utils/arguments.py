@@ -97,6 +97,7 @@ def validate_against_hf(args: MegatronArgs, hf_config: Any, world_size: int) -> 
     divide) and what it would silently ignore (expert parallelism on a dense model).
     """
     model_type = getattr(hf_config, "model_type", None)
+    _check_model_family(hf_config)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"the Megatron backend does not support HF model_type {model_type!r}; supported: "
@@ -129,6 +130,29 @@ def validate_against_hf(args: MegatronArgs, hf_config: Any, world_size: int) -> 
             f"({args.tensor_model_parallel_size} x {pp} x {args.context_parallel_size} = {mp}); "
             f"the rest is data parallel: use {mp * max(1, world_size // mp)} ranks or smaller "
             "parallel sizes"
+        )
+
+
+_GDN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+"""Hybrids of Gated DeltaNet (linear attention) and full-attention layers."""
+
+
+def _check_model_family(hf_config: Any) -> None:
+    """Refuse, in one line naming the FSDP backend, the families the local layer spec cannot
+    build: Gated DeltaNet hybrids and Mixture-of-Experts models (their converters, expert
+    routing and linear-attention layers are not written here)."""
+    model_type = getattr(hf_config, "model_type", None)
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    if model_type in _GDN_MODEL_TYPES or "linear_attention" in layer_types:
+        raise ValueError(
+            f"the Megatron backend does not train Gated DeltaNet hybrids ({model_type}); use "
+            "--train-backend fsdp"
+        )
+    experts = _num_experts(getattr(hf_config, "text_config", None) or hf_config)
+    if experts or (model_type or "").endswith("_moe"):
+        raise ValueError(
+            f"the Megatron backend does not train Mixture-of-Experts models ({model_type}, "
+            f"{experts} experts); use --train-backend fsdp"
         )
 
 

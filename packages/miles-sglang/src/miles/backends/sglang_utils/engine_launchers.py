@@ -54,6 +54,9 @@ class EngineLaunchSpec:
     extra_args: dict[str, str | bool | list[str]] = field(default_factory=dict)
     """SGLang only: other server flags without dashes ({"context-length": "4096"}; True for a
     switch, a list for several values)."""
+    return_routed_experts: bool = False
+    """Record a MoE model's routing for requests that ask (--enable-return-routed-experts, on
+    SGLang and the reference engine alike): routing replay needs it."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -103,6 +106,8 @@ class ReferenceEngineLauncher:
         ]  # fmt: skip
         if spec.max_running_requests is not None:
             command += ["--max-running-requests", str(spec.max_running_requests)]
+        if spec.return_routed_experts:
+            command.append("--enable-return-routed-experts")
         return command
 
     def start(self) -> str:
@@ -145,6 +150,8 @@ class SGLangEngineLauncher:
             extra.setdefault("admin-api-key", spec.admin_api_key)
         if spec.max_running_requests is not None:
             extra.setdefault("max-running-requests", str(spec.max_running_requests))
+        if spec.return_routed_experts:
+            extra.setdefault("enable-return-routed-experts", True)
         self.engine = SGLangEngine(
             SGLangEngineConfig(
                 model_path=spec.model_path,

@@ -79,12 +79,42 @@ def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:
     return transformers.Qwen3Config(**settings)
 
 
-def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides) -> Path:
-    """Write a randomly initialised (seeded) tiny Qwen3 checkpoint and tokenizer to `path`."""
+def tiny_qwen3_moe_config(**overrides) -> transformers.Qwen3MoeConfig:
+    """A Qwen3-MoE config as small as `tiny_qwen3_config`: 4 experts, 2 per token, every layer
+    sparse; the router's auxiliary loss coefficient is the HF default."""
+    settings = {
+        **tiny_qwen3_config().to_dict(),
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+    for key in ("architectures", "model_type", "transformers_version", "dtype"):
+        settings.pop(key, None)
+    settings["torch_dtype"] = "float32"
+    settings.update(overrides)
+    return transformers.Qwen3MoeConfig(**settings)
+
+
+TINY_CONFIGS = {"qwen3": tiny_qwen3_config, "qwen3_moe": tiny_qwen3_moe_config}
+"""The architectures `build_tiny_checkpoint` builds, by HF model type."""
+
+
+def build_tiny_checkpoint(
+    path: str | Path, *, seed: int = 0, architecture: str = "qwen3", **config_overrides
+) -> Path:
+    """Write a randomly initialised (seeded) tiny checkpoint of `architecture` (a key of
+    TINY_CONFIGS) and its tokenizer to `path`."""
+    if architecture not in TINY_CONFIGS:
+        raise ValueError(
+            f"no tiny {architecture!r} checkpoint; choose one of {', '.join(TINY_CONFIGS)}"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(**config_overrides))
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[architecture](**config_overrides))
     model.save_pretrained(path, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(path)
     return path
@@ -126,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=build_tiny_checkpoint.__doc__)
     parser.add_argument("out", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--architecture", choices=sorted(TINY_CONFIGS), default="qwen3")
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("out", "seed") and v is not None}
-    path = build_tiny_checkpoint(args.out, seed=args.seed, **overrides)
-    print(f"wrote a tiny Qwen3 checkpoint to {path}")
+    skip = ("out", "seed", "architecture")
+    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    path = build_tiny_checkpoint(
+        args.out, seed=args.seed, architecture=args.architecture, **overrides
+    )
+    print(f"wrote a tiny {args.architecture} checkpoint to {path}")
     return 0
 
 

@@ -27,6 +27,8 @@ Keys made by `samples_to_rollout_batch`:
                        has them.
     teacher_log_probs  list[float] per sample, one per response token: the teacher's scores
                        (--use-opd); only when every sample has them.
+    routed_experts     str per sample: the engine's MoE routing (base64, SGLang's encoding);
+                       only when every sample has it (--use-rollout-routing-replay).
     sample_indices     int: `Sample.index`, to map rows back to samples.
     weight_versions    int | None: the engine weight version that generated the sample.
 Keys added by training, one value per response token unless noted:
@@ -42,6 +44,7 @@ ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "raw_reward",
     "rollout_log_probs",
     "teacher_log_probs",
+    "routed_experts",
     "sample_indices",
     "weight_versions",
 )
@@ -95,10 +98,14 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
             "request log-probs (return_logprob) for every generation or for none",
         ),
         ("teacher_log_probs", "score every sample with the teacher (--use-opd) or none"),
+        (
+            "routed_experts",
+            "ask every generation for its routed experts (return_routed_experts) or none",
+        ),
     ):
         values = [getattr(s, column) for s in samples]
         if samples and all(v is not None for v in values):
-            batch[column] = [list(v) for v in values]
+            batch[column] = [v if isinstance(v, str) else list(v) for v in values]
         elif any(v is not None for v in values):
             missing = [s.index for s, v in zip(samples, values, strict=True) if v is None]
             raise ValueError(f"samples {missing[:8]} have no {column} while others do; {hint}")

@@ -68,6 +68,9 @@ class Sample:
     messages: list[dict[str, Any]] | None = None
     """The prompt as chat messages, when a chat template rendered it: what a multi-turn rollout
     continues the conversation from."""
+    routed_experts: str | None = None
+    """A MoE model's routing as the engine reported it (SGLang's `meta_info["routed_experts"]`:
+    base64 of int32 (len(tokens) - 1, layers, top_k)); what routing replay (R3) trains with."""
     weight_version: int | None = None
     """The engine's weight version that generated the response (architecture.md: "Contracts /
     Weight sync")."""

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:1")
     parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record a MoE model's routing for requests with return_routed_experts",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser

@@ -42,6 +42,9 @@ class ReferenceEngineConfig:
     Retry-After. Also the most sequences (prompts x n) one request may ask for."""
     max_request_bytes: int = 64 << 20
     """--max-request-bytes: the largest /generate body accepted (413 past it)."""
+    enable_return_routed_experts: bool = False
+    """--enable-return-routed-experts: record a MoE model's routing, so that requests may ask for
+    `return_routed_experts` (SGLang's flag of the same name)."""
     served_model_name: str | None = None
     """--served-model-name: the model id of the OpenAI-compatible routes (default: --model-path)."""
     device: str | None = None

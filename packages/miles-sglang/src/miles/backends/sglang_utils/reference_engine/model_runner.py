@@ -8,6 +8,7 @@ all-padding columns trimmed), which is what makes the batching continuous.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from miles.backends.sglang_utils.reference_engine.attention import use_grouped_sdpa
+from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
 
 
 @dataclass
@@ -133,12 +135,35 @@ def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
     return BatchState(keys, values, mask[:, first_real:])
 
 
+def check_kv_only(model: torch.nn.Module) -> None:
+    """Refuse a model whose layers keep a recurrent state (Gated DeltaNet in Qwen3.5 and
+    Qwen3-Next, Mamba, ...): `BatchState` holds per-layer KV tensors only, and joining or dropping
+    rows would lose or mix those states."""
+    if getattr(model, "_is_stateful", False):
+        config = model.config
+        name = ", ".join(getattr(config, "architectures", None) or [type(model).__name__])
+        raise ValueError(
+            f"the reference engine cannot serve {name} (model_type {config.model_type!r}): its "
+            "linear-attention / state-space layers keep a recurrent state that the engine's KV "
+            "batch cache does not hold; serve it with SGLang (--rollout-engine sglang)"
+        )
+
+
 class ModelRunner:
     """Prefill and decode for one model on one device, with no autograd."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, *, record_routed_experts: bool = False
+    ) -> None:
+        check_kv_only(model)
         self.model = model.eval().to(device)
         self.device = device
+        self.recorder = RoutedExpertsRecorder(self.model) if record_routed_experts else None
+        self.prefill_routed: list[Tensor] = []
+        """With a recorder: after a prefill, each prompt's (len(prompt), layers, top_k) experts."""
+        self.decode_routed: Tensor | None = None
+        """With a recorder: after a decode step, each row's (layers, top_k) experts of the token
+        it read."""
         use_grouped_sdpa(self.model, device)
         # transformers 5 renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
@@ -180,9 +205,15 @@ class ModelRunner:
         of each prompt i with `wanted[i]` (None for the others): the forward computes them all
         anyway, so scoring a prompt costs no extra forward."""
         distinct, rows = distinct_prompts(prompts)
-        every, state = self._prefill(distinct)  # (B, L, V)
+        with self._recording(len(distinct), max(len(p) for p in distinct)) as routed:
+            every, state = self._prefill(distinct)  # (B, L, V)
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
         length = every.shape[1]
+        if routed:  # (B, L, layers, top_k), left-padded like the prompts
+            self.prefill_routed = [
+                routed[0][row, length - len(prompt) :]
+                for prompt, row in zip(prompts, rows, strict=True)
+            ]
         prompt_logits = [
             every[row, length - len(prompt) :] if want else None
             for prompt, row, want in zip(prompts, rows, wanted, strict=True)
@@ -216,8 +247,16 @@ class ModelRunner:
         positions = state.mask.sum(-1, keepdim=True)  # (B, 1): the next real position per row
         mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
         input_ids = torch.tensor(tokens, device=self.device).unsqueeze(-1)  # (B, 1)
-        logits = self._forward(input_ids, mask, positions, cache)
+        with self._recording(len(tokens), 1) as routed:
+            logits = self._forward(input_ids, mask, positions, cache)
+        if routed:
+            self.decode_routed = routed[0][:, 0]  # (B, layers, top_k)
         return logits[:, -1, :], self._state_from(cache, mask)
+
+    def _recording(self, rows: int, columns: int) -> contextlib.AbstractContextManager[list]:
+        if self.recorder is None:
+            return contextlib.nullcontext([])
+        return self.recorder.recording(rows, columns)
 
     @torch.no_grad()
     def score(self, token_ids: list[int], temperature: float = 1.0) -> Tensor:

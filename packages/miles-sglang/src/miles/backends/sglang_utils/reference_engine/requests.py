@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
+from miles.backends.sglang_utils.reference_engine.routed_experts import encode_routed_experts
 from miles.backends.sglang_utils.reference_engine.sampling import (
     InvalidRequestError,
     SamplingParams,
@@ -54,7 +55,6 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "audio_data": (None, [], ""),
     "use_audio_in_video": (False,),
     "return_hidden_states": (False,),
-    "return_routed_experts": (False,),
     "return_indexer_topk": (False,),
     "routed_experts_start_len": (0,),
     "session_params": (None,),
@@ -86,6 +86,7 @@ class SequenceSpec:
     """The first prompt position whose log-prob is listed; None for none (SGLang's -1)."""
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -148,6 +149,7 @@ class GenerateBody(BaseModel):
     # request contract, api/v1 TokenIdsOrList, refuses one).
     token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
     return_text_in_logprobs: StrictBool = False
+    return_routed_experts: StrictBool | list[StrictBool] = False
     stream: StrictBool = False
 
 
@@ -210,6 +212,7 @@ def parse_generate(
     top = _as_list(parsed.top_logprobs_num, count, "top_logprobs_num")
     starts = _as_list(parsed.logprob_start_len, count, "logprob_start_len")
     token_ids = _token_ids_per_prompt(parsed.token_ids_logprob, count, is_batch)
+    routed = _as_list(parsed.return_routed_experts, count, "return_routed_experts")
     sequences = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         # As in SGLang, the log-prob fields count only with return_logprob.
@@ -230,6 +233,7 @@ def parse_generate(
                 logprob_start_len=start,
                 token_ids_logprob=token_ids[i] if wanted else None,
                 return_text_in_logprobs=parsed.return_text_in_logprobs,
+                return_routed_experts=bool(routed[i]),
             )
             sequences.append(spec)
     return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)
@@ -287,6 +291,8 @@ def response_item(
         meta.update(
             _logprob_fields(request, count, token_texts if spec.return_text_in_logprobs else None)
         )
+    if spec.return_routed_experts and request.routed_experts:
+        meta["routed_experts"] = encode_routed_experts(request.routed_experts)
     return {"text": text, "output_ids": list(request.output_ids[:count]), "meta_info": meta}
 
 

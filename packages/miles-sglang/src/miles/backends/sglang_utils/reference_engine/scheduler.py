@@ -68,6 +68,10 @@ class Request:
     stop_checker: Callable[[Request], str | None] | None = None
     cached_tokens: int = 0
     """Prompt tokens whose prefill this request shared with another (SGLang's `cached_tokens`)."""
+    return_routed_experts: bool = False
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """With `return_routed_experts`: the experts of every token read, (n, layers, top_k) pieces
+    in order (the prompt's, then one per decode step)."""
 
     @property
     def scores_prompt(self) -> bool:
@@ -284,6 +288,10 @@ class Scheduler:
             for request, row_logits in zip(requests, prompt_logits, strict=True):
                 if row_logits is not None:
                     request.prompt_logprobs = self._score_prompt(request, row_logits)
+            if self.runner.recorder is not None:
+                for request, routed in zip(requests, self.runner.prefill_routed, strict=True):
+                    if request.return_routed_experts:
+                        request.routed_experts = [routed]
             return requests, (logits, state)
         except Exception as err:
             if len(requests) == 1:
@@ -326,6 +334,10 @@ class Scheduler:
             start = time.perf_counter()
             logits, self._state = self.runner.decode(self._state, self._next_tokens)
             self.step_seconds["decode"] += time.perf_counter() - start
+            if self.runner.decode_routed is not None:
+                for request, routed in zip(self._running, self.runner.decode_routed, strict=True):
+                    if request.return_routed_experts:
+                        request.routed_experts.append(routed.unsqueeze(0))
             self._next_tokens = self._sample_and_record(self._running, logits)
             self.steps += 1
             self._retire_finished()

@@ -113,7 +113,9 @@ class ReferenceEngine:
             getattr(model.config, "max_position_embeddings", 4096)
         )
         self.scheduler = Scheduler(
-            ModelRunner(model, self.device),
+            ModelRunner(
+                model, self.device, record_routed_experts=config.enable_return_routed_experts
+            ),
             eos_token_ids=self._eos_ids(model),
             context_length=self.context_length,
             max_running_requests=config.max_running_requests,

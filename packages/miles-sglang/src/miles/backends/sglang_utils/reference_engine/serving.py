@@ -26,6 +26,13 @@ def submit(
 ) -> tuple[list[asyncio.Future], list[EngineRequest]]:
     """Queue every sequence; their futures (set when each finishes) and engine requests."""
     futures, requests = [], []
+    if not engine.config.enable_return_routed_experts and any(
+        spec.return_routed_experts for spec in parsed.sequences
+    ):
+        raise InvalidRequestError(
+            "return_routed_experts needs the engine started with --enable-return-routed-experts",
+            param="return_routed_experts",
+        )
     for index, spec in enumerate(parsed.sequences):
         future = loop.create_future()
 
@@ -43,6 +50,7 @@ def submit(
             top_logprobs_num=spec.top_logprobs_num,
             logprob_start_len=spec.logprob_start_len,
             token_ids_logprob=spec.token_ids_logprob,
+            return_routed_experts=spec.return_routed_experts,
         )
         if spec.rid:
             request.rid = spec.rid

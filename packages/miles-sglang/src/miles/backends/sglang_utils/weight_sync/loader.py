@@ -1,6 +1,7 @@
 """Engine side: copy received tensors into a model's parameters and buffers by Hugging Face name.
 
-Validation comes first and covers every tensor, so a bad update changes nothing: an engine never
+Fused MoE expert tensors also load per expert, under their checkpoint names (`expert_layout`):
+what a trainer sends and what a checkpoint on disk holds. Validation comes first and covers every tensor, so a bad update changes nothing: an engine never
 serves a half-loaded mix of old and new weights because one name in the last bucket was wrong.
 """
 
@@ -11,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+
+from miles.backends.sglang_utils.weight_sync.expert_layout import expert_views
 
 # Problems listed in one error before the rest are only counted: enough to see a pattern.
 _MAX_LISTED = 5
@@ -36,13 +39,21 @@ def load_named_tensors(
     """
     named_tensors = list(named_tensors)
     targets = _targets(model)
+    views = expert_views(model.named_parameters())
+    targets.update({name: view for name, (view, _) in views.items()})
     problems = [p for name, tensor in named_tensors if (p := _check(name, tensor, targets))]
     if complete:
-        loaded = {id(targets[name]) for name, _ in named_tensors if name in targets}
+        sent = {name for name, _ in named_tensors}
+        loaded = {id(targets[name]) for name in sent if name in targets and name not in views}
+        # A fused expert tensor is loaded when every one of its per-expert parts is.
+        parts: dict[str, set[str]] = {}
+        for part, (_, fused) in views.items():
+            parts.setdefault(fused, set()).add(part)
+        whole = {fused for fused, names in parts.items() if names <= sent}
         problems += [
             f"parameter {name!r} is missing"
             for name, parameter in model.named_parameters()
-            if id(parameter) not in loaded
+            if id(parameter) not in loaded and name not in whole
         ]
     if problems:
         listed = "; ".join(problems[:_MAX_LISTED])

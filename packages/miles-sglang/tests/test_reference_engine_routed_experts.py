@@ -1,0 +1,67 @@
+"""The reference engine's `return_routed_experts` on a tiny Qwen3-MoE: SGLang's encoding and
+shape (every token read: prompt and output but the last, x MoE layers x top-k), the experts the
+model's own routers pick for those tokens, batches, and the refusals."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+from miles.backends.training_utils.routing_replay import decode_routed_experts, moe_routers
+
+PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 49, 61]]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("moe"), architecture="qwen3_moe")
+
+
+def routers_choice(checkpoint, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens), layers, top_k): what a plain transformers forward routes each token to."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    picked = []
+    for router in moe_routers(model):
+        router.register_forward_hook(lambda m, i, out: picked.append(out[-1]))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens]))
+    return torch.stack(picked, dim=1)
+
+
+def test_routed_experts_are_the_routers_choice_of_every_token_read(start_engine, moe_checkpoint):
+    body = {"input_ids": PROMPTS, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    with start_engine(moe_checkpoint, "--enable-return-routed-experts") as url:
+        answers = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        plain = httpx.post(f"{url}/generate", json={**body, "return_routed_experts": False},
+                           timeout=60).json()  # fmt: skip
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        tokens = prompt + answer["output_ids"]
+        experts = decode_routed_experts(answer["meta_info"]["routed_experts"], 2, 2)
+        assert experts.shape == (len(tokens) - 1, 2, 2)  # the last output token is never read
+        # Prefill and decode steps route as one forward over the same tokens does.
+        assert torch.equal(experts, routers_choice(moe_checkpoint, tokens)[: len(tokens) - 1])
+    assert all("routed_experts" not in a["meta_info"] for a in plain)
+
+
+def test_asking_without_the_server_flag_is_refused(start_engine, moe_checkpoint):
+    body = {"input_ids": PROMPTS[0], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    with start_engine(moe_checkpoint) as url:
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert answer.status_code == 400
+    assert "--enable-return-routed-experts" in answer.text
+
+
+def test_the_flag_on_a_dense_model_is_refused_at_start(tiny_checkpoint):
+    from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
+    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+
+    config = ReferenceEngineConfig(
+        model_path=str(tiny_checkpoint), enable_return_routed_experts=True
+    )
+    with pytest.raises(ValueError, match="no top-k router; drop the flag for a dense model"):
+        ReferenceEngine(config)
