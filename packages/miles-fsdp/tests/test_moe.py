@@ -5,8 +5,10 @@ SGLang loads them) make a reference engine serving Qwen3-MoE agree with the trai
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from .distributed import run_distributed
@@ -105,12 +107,14 @@ def build_near_tie_checkpoint(path: Path, seed: int = 0, spread: float = 1e-6) -
     return path
 
 
-def _logprob_gap(rank: int, checkpoint: Path, answers: list[dict], replay: str | None) -> float:
+def _logprob_gap(
+    rank: int, checkpoint: Path, answers: list[dict], replay: str | None, fsdp: dict
+) -> float:
     """Mean |trainer - engine| log-prob over the engines' sampled tokens, replaying its experts
-    (`replay` "rollout") or letting the trainer's routers choose (None)."""
+    (`replay` "rollout") or letting the trainer's routers choose (None); `fsdp`: FSDPArgs."""
     import dataclasses
 
-    args = make_args(checkpoint).with_paths(rollout_temperature=1.0)
+    args = make_args(checkpoint, **fsdp).with_paths(rollout_temperature=1.0)
     args = dataclasses.replace(args, spec=dataclasses.replace(args.spec, routing_replay=replay))
     actor, _ = make_actor(rank, 2, args)
     batch = {k: [] for k in ("tokens", "response_lengths", "total_lengths", "loss_masks",
@@ -149,10 +153,21 @@ def test_rollout_routing_replay_makes_trainer_and_engine_agree_on_a_near_tie_rou
         answers = httpx.post(f"{url}/generate", json=body, timeout=120).json()
     for answer, prompt in zip(answers, [p for p in prompts for _ in range(4)], strict=True):
         answer["prompt"] = prompt
-    replayed = run_distributed(_logprob_gap, 2, checkpoint, answers, "rollout", timeout_s=240)[0]
-    free = run_distributed(_logprob_gap, 2, checkpoint, answers, None, timeout_s=240)[0]
-    print(f"mean |trainer - engine| log-prob: {free:.3g} without R3, {replayed:.3g} with R3")
-    assert replayed < 1e-5, replayed
+    one_per_micro_batch = {}
+    # Dynamic micro-batches: several documents per forward, padded rows of unequal lengths.
+    packed = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 128}
+    replayed = run_distributed(
+        _logprob_gap, 2, checkpoint, answers, "rollout", one_per_micro_batch, timeout_s=240
+    )[0]
+    replayed_packed = run_distributed(
+        _logprob_gap, 2, checkpoint, answers, "rollout", packed, timeout_s=240
+    )[0]
+    free = run_distributed(
+        _logprob_gap, 2, checkpoint, answers, None, one_per_micro_batch, timeout_s=240
+    )[0]
+    print(f"mean |trainer - engine| log-prob: {free:.3g} without R3, {replayed:.3g} with R3 "
+          f"({replayed_packed:.3g} with several documents per micro-batch)")  # fmt: skip
+    assert replayed < 1e-5 and replayed_packed < 1e-5, (replayed, replayed_packed)
     assert free > 100 * max(replayed, 1e-7), (free, replayed)
 
 
@@ -191,3 +206,38 @@ def test_routing_replay_r2_routes_every_optimizer_step_as_the_old_policy_did(tmp
     # Without replay the second step's forwards (after the first optimizer step) route some
     # tokens elsewhere: the near-tie routers flip.
     assert not all(free[0]["same"] + free[1]["same"]), free
+
+
+# -- the load-balancing loss and the routing metrics ----------------------------------------------
+
+
+def _one_step(rank: int, checkpoint: Path, coef: float) -> dict:
+    args = make_args(checkpoint, moe_aux_loss_coef=coef, clip_grad=1e9)  # no global scaling
+    actor, _ = make_actor(rank, 2, args)
+    before = full_params(actor.engine.model)
+    batch = make_batch(8)  # one optimizer step
+    steps = actor.train(0, local_shard(batch, rank, 2))
+    after = full_params(actor.engine.model)
+    return {"metrics": steps[-1], "delta": {n: after[n] - before[n] for n in after}}
+
+
+def test_the_load_balancing_loss_trains_the_routers_and_the_metrics_describe_them(tmp_path):
+    checkpoint = build_moe_checkpoint(tmp_path / "moe")
+    off = run_distributed(_one_step, 2, checkpoint, 0.0, timeout_s=240)[0]
+    on = run_distributed(_one_step, 2, checkpoint, 10.0, timeout_s=240)[0]
+    metrics = on["metrics"]
+    assert metrics["train/moe/aux_loss"] == pytest.approx(
+        off["metrics"]["train/moe/aux_loss"], rel=1e-6
+    )
+    assert metrics["train/moe/aux_loss"] >= 1.0 - 1e-6  # E x sum f P is at least 1 (even: exactly)
+    assert 0 < metrics["train/moe/router_entropy"] <= math.log(4) + 1e-6
+    for layer in range(2):
+        assert 1.0 <= metrics[f"train/moe/layer_{layer}/load_max_over_mean"] <= 4.0
+    # The loss reaches the routers and what feeds them, not the last layer's experts (nothing
+    # after them reads a router): those move as without it (Adam's first step is the
+    # same gradient), the routers do not.
+    for name, delta in on["delta"].items():
+        if ".mlp.gate." in name:
+            assert not torch.allclose(delta, off["delta"][name], atol=1e-7), name
+        elif "layers.1.mlp.experts." in name:
+            assert torch.allclose(delta, off["delta"][name], atol=1e-6), name

@@ -47,6 +47,10 @@ class FSDPArgs(TrainerArgs):
     """Ranks that split one sequence; the FSDP backend supports only 1 for now."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """transformers attention kernel of the trained model."""
+    moe_aux_loss_coef: float | None = None
+    """MoE models: weight of the load-balancing loss (E x sum over experts of the share of tokens
+    routed there x its mean router probability, averaged over layers) added to every train step;
+    default the checkpoint's `router_aux_loss_coef`, 0 turns it off."""
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of parameters in forward/backward; auto: bfloat16 on accelerators, float32
     on CPU. Master weights and optimizer states stay float32."""
@@ -67,6 +71,10 @@ class FSDPArgs(TrainerArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_unsupported(self)
+        if self.moe_aux_loss_coef is not None and self.moe_aux_loss_coef < 0:
+            raise ValueError(
+                f"--moe-aux-loss-coef ({self.moe_aux_loss_coef}) must be >= 0 (0 turns it off)"
+            )
 
 
 def _check_unsupported(args: FSDPArgs) -> None:

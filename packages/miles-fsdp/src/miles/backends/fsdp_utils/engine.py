@@ -30,15 +30,17 @@ from miles.backends.fsdp_utils.modeling import (
     packed_logits,
     response_positions,
 )
+from miles.backends.fsdp_utils.moe_stats import MoEStats
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
-from miles.backends.fsdp_utils.routing import PackedRouting, Phase
+from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
 from miles.backends.training_utils.data import get_batch
 from miles.backends.training_utils.device import empty_cache, get_device_info, synchronize
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.rollout_data import RolloutBatch
+from miles.backends.training_utils.routing_replay import moe_routers
 from miles.backends.training_utils.train_engine import (
     LoadedCheckpoint,
     MicroBatchLoss,
@@ -88,6 +90,7 @@ class FSDPEngine:
             if spec.routing_replay is not None
             else None
         )
+        self.moe = self._moe_stats(args)
         gather = args.fsdp_gather
         self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
         # --ref-load: a reference model other than the start checkpoint.
@@ -125,18 +128,39 @@ class FSDPEngine:
             trainable=trainable,
         )
 
+    def _moe_stats(self, args: FSDPArgs) -> MoEStats | None:
+        """Routing metrics and the load-balancing loss, for a MoE model."""
+        if not moe_routers(self.model):
+            if args.moe_aux_loss_coef:
+                raise ValueError(
+                    f"--moe-aux-loss-coef {args.moe_aux_loss_coef} weighs a MoE load-balancing "
+                    f"loss, but {self.hf_checkpoint} is a dense model; drop the flag"
+                )
+            return None
+        coef = args.moe_aux_loss_coef
+        if coef is None:
+            coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        return MoEStats(self.model, coef)
+
     # -- forward and backward -----------------------------------------------------------------
 
     def _log_probs(
-        self, model: nn.Module, micro: RolloutBatch, phase: Phase | None = None
+        self,
+        model: nn.Module,
+        micro: RolloutBatch,
+        phase: Phase | None = None,
+        moe: dict[str, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(sum R,) log-probs and entropies of a micro-batch's response tokens; `phase`: a
-        policy forward, routed as routing replay says."""
+        policy forward, routed as routing replay says; `moe`: filled with the MoE routers'
+        load-balancing loss and metrics of this forward."""
         packed = get_batch(micro, ())["packed"]
-        routed = contextlib.nullcontext()
-        if self.routing is not None and phase is not None:
-            routed = self.routing.around(micro, packed, phase)
-        with routed:
+        with contextlib.ExitStack() as stack:
+            if self.routing is not None and phase is not None:
+                stack.enter_context(self.routing.around(micro, packed, phase))
+            if moe is not None and self.moe is not None:
+                real = real_tokens(packed, self.args.attn_implementation)
+                stack.enter_context(self.moe.measuring(real, into=moe))
             logits = packed_logits(
                 model, packed, attn_implementation=self.args.attn_implementation, device=self.device
             )  # (T, V)
@@ -168,8 +192,15 @@ class FSDPEngine:
         with self._gathered_for_the_step(len(micro_batches)) as before:
             for index, micro in enumerate(micro_batches):
                 before(index)
-                log_probs, entropy = self._log_probs(self.model, micro, "train")
+                moe: dict[str, Tensor] = {}
+                log_probs, entropy = self._log_probs(self.model, micro, "train", moe)
                 loss, pairs = loss_fn(index, log_probs, entropy)
+                if moe:
+                    aux = moe.pop("aux_loss")
+                    if self.moe is not None and self.moe.aux_loss_coef:
+                        # An average over the step's micro-batches, as the policy loss is.
+                        loss = loss + self.moe.aux_loss_coef * aux / len(micro_batches)
+                    pairs = {**pairs, **moe}
                 loss.backward()
                 metrics.append(pairs)
         return metrics

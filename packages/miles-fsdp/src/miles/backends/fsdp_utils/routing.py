@@ -37,6 +37,16 @@ def document_offsets(packed: PackedBatch, attn_implementation: str) -> tuple[lis
     return [row * longest for row in range(len(lengths))], len(lengths) * longest
 
 
+def real_tokens(packed: PackedBatch, attn_implementation: str) -> Tensor:
+    """(tokens,) bool over the routers' flattened token order: True for document tokens, False
+    for padding."""
+    offsets, total = document_offsets(packed, attn_implementation)
+    real = torch.zeros(total, dtype=torch.bool)
+    for offset, length in zip(offsets, packed.cu_seqlens.diff().tolist(), strict=True):
+        real[offset : offset + length] = True
+    return real
+
+
 class PackedRouting:
     """Which experts the policy's forwards use, per micro-batch."""
 
