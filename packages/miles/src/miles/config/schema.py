@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.backends.training_utils.checkpoint_paths import hf_checkpoint_dir
 from miles.backends.training_utils.distillation import DistillationConfig
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.config.groups import (
@@ -435,7 +436,7 @@ def _check_reference_model(config: MilesConfig) -> None:
     checkpoint = config.checkpoint
     if Algorithm.from_config(config.algorithm).needs_reference:
         if checkpoint.ref_load is not None:
-            checkpoint.ref_load = _checkpoint_dir("--ref-load", checkpoint.ref_load)
+            checkpoint.ref_load = hf_checkpoint_dir("--ref-load", checkpoint.ref_load)
         return
     for flag, value in (("--ref-load", checkpoint.ref_load),
                         ("--ref-update-interval", checkpoint.ref_update_interval)):  # fmt: skip
@@ -480,15 +481,3 @@ def _check_distillation(config: MilesConfig) -> None:
             "--use-opd scores each rollout with teacher engines and trains on the scores; "
             "--debug-train-only and --debug-rollout-only run only one half: drop one of them"
         )
-
-
-def _checkpoint_dir(flag: str, path: str) -> str:
-    """An existing Hugging Face checkpoint directory, absolute (Ray workers run elsewhere)."""
-    absolute = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(os.path.join(absolute, "config.json")):
-        why = "holds no config.json" if os.path.isdir(absolute) else "does not exist"
-        raise ValueError(
-            f"{flag} {path}: {absolute} {why}; pass a Hugging Face checkpoint directory (e.g. "
-            "one written by `miles export-hf`)"
-        )
-    return absolute

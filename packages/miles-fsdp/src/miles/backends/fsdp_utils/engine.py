@@ -45,6 +45,7 @@ from miles.backends.training_utils.train_engine import (
     LoadedCheckpoint,
     MicroBatchLoss,
     OptimizerStepResult,
+    paired_reference_parameters,
 )
 from miles.ray.run_spec import TrainRunSpec
 
@@ -250,18 +251,14 @@ class FSDPEngine:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        policy = dict(self.model.named_parameters())
-        reference = dict(self.ref_model.named_parameters())
-        if policy.keys() != reference.keys() or any(
-            policy[name].shape != ref.shape for name, ref in reference.items()
-        ):
-            raise ValueError(
-                f"--ref-update-interval copies the policy into the reference model, but the "
-                f"reference (--ref-load {self.ref_checkpoint}) has another architecture than the "
-                f"policy ({self.hf_checkpoint}); drop one of the two flags"
-            )
-        for name, ref in reference.items():
-            _local(ref).copy_(_local(policy[name]))
+        pairs = paired_reference_parameters(
+            dict(self.model.named_parameters()),
+            dict(self.ref_model.named_parameters()),
+            ref_checkpoint=self.ref_checkpoint,
+            checkpoint=self.hf_checkpoint,
+        )
+        for source, ref in pairs:
+            _local(ref).copy_(_local(source))
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip by the norm of the full gradient (over every shard), then step."""

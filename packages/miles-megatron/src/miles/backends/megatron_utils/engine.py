@@ -45,6 +45,7 @@ from miles.backends.training_utils.train_engine import (
     LoadedCheckpoint,
     MicroBatchLoss,
     OptimizerStepResult,
+    paired_reference_parameters,
 )
 from miles.ray.run_spec import TrainRunSpec
 
@@ -142,18 +143,14 @@ class MegatronEngine:
         reference model, which is built alike: no communication."""
         if self.ref_model is None:
             raise RuntimeError("update_reference() asked of an engine built without with_ref")
-        policy = dict(self.model.module.named_parameters())
-        reference = dict(self.ref_model.named_parameters())
-        if policy.keys() != reference.keys() or any(
-            policy[name].shape != ref.shape for name, ref in reference.items()
-        ):
-            raise ValueError(
-                f"--ref-update-interval copies the policy into the reference model, but the "
-                f"reference (--ref-load {self.ref_checkpoint}) has another architecture than the "
-                f"policy ({self.hf_checkpoint}); drop one of the two flags"
-            )
-        for name, ref in reference.items():
-            ref.copy_(policy[name])
+        pairs = paired_reference_parameters(
+            dict(self.model.module.named_parameters()),
+            dict(self.ref_model.named_parameters()),
+            ref_checkpoint=self.ref_checkpoint,
+            checkpoint=self.hf_checkpoint,
+        )
+        for source, ref in pairs:
+            ref.copy_(source)
 
     # -- forward and backward -----------------------------------------------------------------
 

@@ -10,9 +10,10 @@ driver reads this group with the rest of the configuration.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Literal
+
+from miles.backends.training_utils.checkpoint_paths import hf_checkpoint_dir
 
 OPD_TYPES: dict[str, str] = {
     "sglang": "teacher engines (the reference engine on CPU, SGLang on GPUs) beside the student's",
@@ -100,11 +101,4 @@ def _existing_checkpoint(path: str | None) -> str:
             "--use-opd needs the teacher: pass --opd-teacher-checkpoint DIR (a Hugging Face "
             "checkpoint directory using the student's tokenizer)"
         )
-    absolute = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(os.path.join(absolute, "config.json")):
-        why = "holds no config.json" if os.path.isdir(absolute) else "does not exist"
-        raise ValueError(
-            f"--opd-teacher-checkpoint {path}: {absolute} {why}; pass a Hugging Face checkpoint "
-            "directory (e.g. one written by `miles export-hf`)"
-        )
-    return absolute
+    return hf_checkpoint_dir("--opd-teacher-checkpoint", path)

@@ -124,3 +124,19 @@ class TrainEngine(Protocol):
     def wake_up(self) -> None:
         """Bring back what `sleep` moved."""
         ...
+
+
+def paired_reference_parameters(
+    policy: dict[str, Tensor], reference: dict[str, Tensor], *, ref_checkpoint: str, checkpoint: str
+) -> list[tuple[Tensor, Tensor]]:
+    """(policy, reference) parameter pairs by name, for `update_reference`; refused when the
+    reference model (--ref-load `ref_checkpoint`) is another architecture than the policy's."""
+    if policy.keys() != reference.keys() or any(
+        policy[name].shape != ref.shape for name, ref in reference.items()
+    ):
+        raise ValueError(
+            f"--ref-update-interval copies the policy into the reference model, but the "
+            f"reference (--ref-load {ref_checkpoint}) has another architecture than the "
+            f"policy ({checkpoint}); drop one of the two flags"
+        )
+    return [(policy[name], ref) for name, ref in reference.items()]
