@@ -65,3 +65,25 @@ def test_the_flag_on_a_dense_model_is_refused_at_start(tiny_checkpoint):
     )
     with pytest.raises(ValueError, match="no top-k router; drop the flag for a dense model"):
         ReferenceEngine(config)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and sglang")
+def test_sglang_reports_routed_experts_in_the_same_encoding(moe_checkpoint):
+    """Routing replay's contract on a real SGLang server (--enable-return-routed-experts, as
+    SGLangEngineLauncher passes it with R3): the same field, shape and encoding."""
+    from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from miles.backends.training_utils.testing import free_port
+
+    config = SGLangEngineConfig(
+        model_path=str(moe_checkpoint), port=free_port(), mem_fraction_static=0.2,
+        random_seed=0, extra_args={"enable-return-routed-experts": True},
+    )  # fmt: skip
+    body = {"input_ids": PROMPTS[0], "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    with SGLangEngine(config) as engine:
+        answer = httpx.post(f"{engine.url}/generate", json=body, timeout=120).json()
+    tokens = PROMPTS[0] + answer["output_ids"]
+    experts = decode_routed_experts(answer["meta_info"]["routed_experts"], 2, 2)
+    assert experts.shape == (len(tokens) - 1, 2, 2)
+    assert int(experts.min()) >= 0 and int(experts.max()) < 4
