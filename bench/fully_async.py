@@ -1,8 +1,11 @@
 """Sync vs one-step async vs fully-async: seconds per step and idle fractions, side by side.
 
-The same workload three times (a tiny checkpoint built here, the CPU demo's prompts, GRPO), on
-the layout where the engine and the trainer each have a core of their own: one train rank, one
-reference engine, no colocation. Each run is a real `miles train`; the numbers are read from its
+The same workload four times (a tiny checkpoint built here, the CPU demo's prompts, GRPO): sync,
+one-step async (--async-train), and fully-async (--max-weight-staleness 2) without and with
+--partial-rollout, on the layout where the engine and the trainer each have a core of their own:
+one train rank, one reference engine, no colocation. The default workload has long-tailed
+generation, as RL rollouts do: the tiny random model ends a response at its end-of-text token
+(about 1 in 259 per token), so most responses are short and a few run to the 1024-token budget. Each run is a real `miles train`; the numbers are read from its
 metrics, over the steps after the first (start-up and the first weight sync excluded):
 
 - step: `time/step_s`, the wall time of one loop iteration;
@@ -13,7 +16,7 @@ metrics, over the steps after the first (start-up and the first weight sync excl
   sync and one-step async: the step less the rollout's generation time);
 - trainer idle: the share of a step the trainer is not training (step less `time/train_s`).
 
-Run it on an otherwise idle machine (about 5 minutes on 2 cores):
+Run it on an otherwise idle machine (about 3 minutes on 2 cores):
 
     uv run --frozen python bench/fully_async.py
 """
@@ -36,9 +39,9 @@ MODES = {
     "sync": [],
     "one-step async": ["--async-train", "--off-policy-correction", "tis"],
     "fully-async": ["--fully-async", "--off-policy-correction", "tis",
-                    "--max-weight-staleness", "1"],
+                    "--max-weight-staleness", "2"],
     "fully-async partial": ["--fully-async", "--off-policy-correction", "tis",
-                            "--max-weight-staleness", "1", "--partial-rollout",
+                            "--max-weight-staleness", "2", "--partial-rollout",
                             "--mask-offpolicy-in-partial-rollout"],
 }  # fmt: skip
 
@@ -78,9 +81,9 @@ def summary(records: list[dict], mode: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8, help="prompts per rollout (x4 samples)")
-    parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--train-steps", type=int, default=2, help="optimizer steps per rollout")
+    parser.add_argument("--batch", type=int, default=4, help="prompts per rollout (x4 samples)")
+    parser.add_argument("--response-len", type=int, default=1024)
+    parser.add_argument("--train-steps", type=int, default=4, help="optimizer steps per rollout")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--keep", type=Path, help="keep the runs' outputs in this directory")
     args = parser.parse_args()
