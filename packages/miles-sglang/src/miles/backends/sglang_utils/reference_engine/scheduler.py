@@ -364,22 +364,15 @@ class Scheduler:
                     )
                 except Exception as err:
                     failed[row] = err
-        counts = [r.top_logprobs_num for r in requests]
-        tops = None
-        if any(counts):
-            try:
-                tops = top_log_probs(logits, [r.params for r in requests], counts)
-            except Exception as err:  # only the requests that asked for them fail
-                logger.exception("top log-probs of %d requests failed", sum(map(bool, counts)))
-                failed.update({row: err for row, count in enumerate(counts) if count})
-        asked = [r.token_ids_logprob for r in requests]
-        by_id = None
-        if any(asked):
-            try:
-                by_id = token_id_log_probs(logits, [r.params for r in requests], asked)
-            except Exception as err:  # only the requests that asked for them fail
-                logger.exception("token-id log-probs of %d requests failed", sum(map(bool, asked)))
-                failed.update({row: err for row, ids in enumerate(asked) if ids})
+        params = [r.params for r in requests]
+        tops = _asked_for(
+            "top log-probs", [r.top_logprobs_num for r in requests], failed,
+            lambda counts: top_log_probs(logits, params, counts),
+        )  # fmt: skip
+        by_id = _asked_for(
+            "token-id log-probs", [r.token_ids_logprob for r in requests], failed,
+            lambda asked: token_id_log_probs(logits, params, asked),
+        )  # fmt: skip
         self.step_seconds["sampling"] += time.perf_counter() - start
         for row, (request, token, log_prob) in enumerate(
             zip(requests, tokens, log_probs, strict=True)
@@ -455,6 +448,21 @@ class Scheduler:
                 return False
             time.sleep(0.01)
         return True
+
+
+def _asked_for(
+    what: str, wanted: list[Any], failed: dict[int, Exception], compute: Callable[[list[Any]], Any]
+) -> Any:
+    """`compute(wanted)` when some request asked (a truthy entry of `wanted`), else None. If it
+    fails, only the requests that asked fail: their rows go into `failed`."""
+    if not any(wanted):
+        return None
+    try:
+        return compute(wanted)
+    except Exception as err:
+        logger.exception("%s of %d requests failed", what, sum(map(bool, wanted)))
+        failed.update({row: err for row, asked in enumerate(wanted) if asked})
+        return None
 
 
 def _engine_error(err: Exception) -> dict[str, Any]:
