@@ -1,7 +1,7 @@
 """Qwen3-MoE on the FSDP backend, 2 gloo ranks: a tiny model (4 experts, 2 per token, 2 layers)
-trains, resumes exactly from its checkpoint, exports a Hugging Face checkpoint that
-`from_pretrained` loads as the trained weights, and its weight updates (experts per expert, as
-SGLang loads them) make a reference engine serving Qwen3-MoE agree with the trainer."""
+trains, resumes exactly from its checkpoint and exports a Hugging Face checkpoint that
+`from_pretrained` loads as the trained weights (its weight updates are tested with the dense
+model's, in test_update_weights.py); routing replay; the load-balancing loss and metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from .distributed import run_distributed
 from .test_actor import SAMPLES, full_params, local_shard, make_actor, make_args, make_batch
-from .test_update_weights import _push_both_ways, engine_process
+from .test_update_weights import engine_process
 
 
 def build_moe_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -73,16 +73,6 @@ def test_a_tiny_qwen3_moe_trains_resumes_exactly_and_exports(tmp_path):
         # Resumed from the checkpoint, rollout 1 trains exactly as it did without the stop.
         assert result["resumed_losses"] == result["next_losses"]
     assert results[0]["export_matches"], "the HF export differs from the trained weights"
-
-
-def test_weight_updates_make_a_qwen3_moe_engine_agree_with_the_trainer(tmp_path):
-    trainer_checkpoint = build_moe_checkpoint(tmp_path / "trainer", seed=0)
-    engine_checkpoint = build_moe_checkpoint(tmp_path / "engine", seed=1)  # other weights at start
-    with engine_process(engine_checkpoint) as url:
-        rank0 = run_distributed(_push_both_ways, 2, trainer_checkpoint, url, timeout_s=300)[0]
-    assert rank0["before"]["diff"] > 1e-2, "the engine must start from other weights"
-    assert rank0["tensor"]["diff"] < 1e-5, rank0  # colocated: shared memory
-    assert rank0["distributed"]["diff"] < 1e-5, rank0  # disaggregated: a gloo broadcast
 
 
 # -- routing replay ---------------------------------------------------------------------------
