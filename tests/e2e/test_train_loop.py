@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,15 +49,19 @@ def run(assets, out: Path, *flags: str) -> list[dict]:
 
 
 def tiny_config(assets, out: Path, *flags: str):
+    return load_config(tiny_flags(assets, out, *flags))
+
+
+def tiny_flags(assets, out: Path, *flags: str) -> list[str]:
     checkpoint, data = assets
-    return load_config([
+    return [
         "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "3", "--rm-type", "exact_match",
         "--actor-num-gpus-per-node", "2", "--output-dir", str(out), "--console", "plain",
         "--lr", "1e-3", "--rollout-router", "builtin",
         *flags,
-    ])  # fmt: skip
+    ]  # fmt: skip
 
 
 # Saving every rollout and one request at a time: the resume test replays this run from its
@@ -115,38 +121,73 @@ FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correct
                "--max-weight-staleness", "1", "--save-interval", "1"]  # fmt: skip
 
 
-def test_a_fully_async_run_trains_within_the_bound_and_resumes_with_its_buffer(assets, tmp_path):
-    """Three rollouts fully async, weights pushed every second one; then the run resumed from
-    rollout 1's checkpoint: it holds the buffer, and the groups that were ready when it was
-    saved are the next rollout's first."""
+def test_a_fully_async_run_killed_mid_run_resumes_with_its_buffer(assets, tmp_path):
+    """A fully-async `miles train` (weights pushed every second rollout) SIGKILLed, with its Ray
+    instance, while it generates past rollout 2's checkpoint; the same command again resumes
+    from the last complete checkpoint. That checkpoint holds the buffer, and the groups that were
+    ready when it was saved are the next rollout's first."""
     ckpt, pattern = tmp_path / "ckpt", str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    flags = [*FULLY_ASYNC, "--save", str(ckpt), "--save-debug-rollout-data", pattern]
-    first = run(assets, tmp_path / "first", *flags, "--num-rollout", "3",
-                "--update-weights-interval", "2")  # fmt: skip
-    assert [r["rollout_id"] for r in first] == [0, 1, 2]
+    flags = [*FULLY_ASYNC, "--save", str(ckpt), "--save-debug-rollout-data", pattern,
+             "--update-weights-interval", "2"]  # fmt: skip
+    out = tmp_path / "run"
+    killed_at = kill_when_saved(tiny_flags(assets, out, *flags, "--num-rollout", "8"), ckpt, 2)
+    first = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in first][: killed_at + 1] == list(range(killed_at + 1))
     for record in first:
         assert record["async/staleness_max"] <= 1 and "train/loss" in record
         assert record["async/staleness_0_ratio"] + record["async/staleness_1_ratio"] == 1.0
         for key in ("async/trainer_wait_s", "async/engine_idle_s", "async/buffer_groups",
                     "async/dropped_groups"):  # fmt: skip
             assert key in record, key
-    # Weights go out every second rollout and after the last.
-    assert ["async/update_pause_s" in r for r in first] == [False, True, True]
-    state = json.loads(rollout_state_path(str(ckpt), 1).read_text())["fully_async"]
+    # Weights go out after every second rollout.
+    assert ["async/update_pause_s" in r for r in first[:3]] == [False, True, False]
+    state = json.loads(rollout_state_path(str(ckpt), killed_at).read_text())["fully_async"]
     assert state["ready"] or state["pending"], "the checkpoint holds no buffered group"
 
-    # The run killed after rollout 1's checkpoint: rollout 2 again, from the buffer.
-    (ckpt / POINTER_FILE).write_text("1")
-    resumed = run(assets, tmp_path / "resumed", *flags, "--num-rollout", "3")
-    assert [r["rollout_id"] for r in resumed] == [2]
-    trained = torch.load(pattern.format(rollout_id=2), weights_only=False)["shards"]
+    # The same command, one rollout further than the kill's checkpoint.
+    resumed = run(assets, out, *flags, "--num-rollout", str(killed_at + 2))
+    assert [r["rollout_id"] for r in resumed] == list(range(killed_at + 2))  # each logged once
+    trained = torch.load(pattern.format(rollout_id=killed_at + 1), weights_only=False)["shards"]
     trained_tokens = {tuple(t) for shard in trained for t in shard["tokens"]}
     # The resumed run's first push makes the next version: groups of the saved version are
     # within the bound of 1 and are the first taken (--rollout-batch-size 4).
     usable = [ready for ready in state["ready"] if ready["version"] >= state["version"]]
+    assert usable, "no ready group in the checkpoint is within the bound"
     for ready in usable[:4]:
         for sample in ready["group"]:
             assert tuple(sample["tokens"]) in trained_tokens
+
+
+def kill_when_saved(flags: list[str], ckpt: Path, rollout_id: int) -> int:
+    """Run `miles train` in a process group of its own; SIGKILL the group once the checkpoint of
+    `rollout_id` is complete (its pointer written). Returns the pointer at the kill."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray instance
+    log = ckpt.parent / "killed.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles.cli.main", "train", *flags],
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (pointer := _pointer(ckpt)) or int(pointer) < rollout_id:
+            assert process.poll() is None, f"it ended before the kill:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+        return int(_pointer(ckpt))
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+
+
+def _pointer(ckpt: Path) -> str:
+    try:
+        return (ckpt / POINTER_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def test_an_agent_run_trains_on_its_sessions_and_evaluates_through_them(assets, tmp_path):

@@ -35,6 +35,7 @@ from miles.backends.fsdp_utils.checkpoint import (
 )
 from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes
+from miles.utils.checkpoint_layout import commit_checkpoint
 
 from .distributed import run_distributed
 
@@ -248,6 +249,27 @@ def test_optimizer_saved_before_its_first_step_stays_fresh(tmp_path):
     assert not fresh_optimizer.state
     for name, value in model.state_dict().items():
         assert torch.equal(fresh_model.state_dict()[name], value), name
+
+
+def test_an_uncommitted_save_is_not_the_latest_until_its_commit(tmp_path):
+    # A run saves without the pointer and commits after the rollout's record is logged.
+    model, optimizer, scheduler = _build(init_seed=0, shard=False)
+    save_checkpoint(tmp_path, 0, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    save_checkpoint(
+        tmp_path, 1, model=model, optimizer=optimizer, lr_scheduler=scheduler, commit=False
+    )
+    fresh, _, _ = _build(init_seed=1, shard=False)
+    assert (
+        load_checkpoint(tmp_path, model=fresh, optimizer=None, lr_scheduler=None)["rollout_id"] == 0
+    )
+    assert not torch.equal(next(fresh.parameters()), next(model.parameters()))
+    commit_checkpoint(tmp_path, 1)
+    assert (
+        load_checkpoint(tmp_path, model=fresh, optimizer=None, lr_scheduler=None)["rollout_id"] == 1
+    )
+    assert torch.equal(next(fresh.parameters()), next(model.parameters()))
 
 
 def test_a_pointer_that_is_not_a_number_is_an_error(tmp_path):

@@ -531,8 +531,8 @@ class RolloutManager:
         await self.pool.resume_memory_occupation(tags)
 
     def save(self, rollout_id: int) -> Path:
-        """Write the data-source state of `rollout_id` (before the backend's checkpoint, whose
-        pointer file makes the checkpoint count as complete)."""
+        """Write the data-source state of `rollout_id` (before the backend's checkpoint; the
+        pointer file written after both makes the checkpoint count as complete)."""
         save_dir = self.config.checkpoint.save
         assert save_dir, "save() needs --save"
         path = rollout_state_path(save_dir, rollout_id)

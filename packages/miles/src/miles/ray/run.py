@@ -68,6 +68,7 @@ class Run:
         self.fault_tolerant = False  # the rollout manager restarts lost engines
         self.weight_version: int | None = None  # the engines' version after the last push
         self._manager_place: Any = None  # the manager's `where()`, once asked
+        self._uncommitted_save: int | None = None  # saved, named the latest once it is logged
         # The step-0 check compares with the engine's log-probs: a loss on given data (SFT) has
         # none to compare with, and a run without engines (replayed rollouts) nothing to check.
         self._weight_sync_to_check = (
@@ -376,9 +377,11 @@ class Run:
             return {}
         self._phase("save", rollout_id)
         start = time.perf_counter()
-        # The rollout state first: the trainer's save writes the pointer that completes it.
+        # The rollout state, then the trainer's part; `finish_rollout` writes the pointer that
+        # completes them after the rollout's record is logged.
         self._from_manager(self.rollout_manager.save.remote(rollout_id), "save")
-        self.trainers.save_model(rollout_id)
+        self.trainers.save_model(rollout_id, False)
+        self._uncommitted_save = rollout_id
         return {"time/save_s": time.perf_counter() - start}
 
     def offload_engines(self) -> None:
@@ -498,8 +501,11 @@ class Run:
         return metrics
 
     def finish_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Log everything measured for this rollout, then stop the run if it diverged (a
-        DivergenceError); returns the metrics."""
+        """Log everything measured for this rollout, name its checkpoint (if saved) the latest,
+        then stop the run if it diverged (a DivergenceError); returns the metrics.
+
+        The pointer comes after the record: a run killed in between resumes from the previous
+        checkpoint and logs this rollout again, where the other order would lose its record."""
         assert self.tracker is not None
         if self.fault_tolerant:  # counted now: a restart during this rollout's update counts too
             fault_metrics = self._from_manager(
@@ -507,6 +513,10 @@ class Run:
             )
             metrics = {**metrics, **fault_metrics}
         self.tracker.log(metrics, step=rollout_id)
+        if self._uncommitted_save is not None:
+            assert self._uncommitted_save == rollout_id and self.trainers is not None
+            self.trainers.commit_checkpoint(rollout_id)
+            self._uncommitted_save = None
         if self.console is not None:
             self.console.record(rollout_id, metrics)
         self.guard.check(rollout_id, metrics)

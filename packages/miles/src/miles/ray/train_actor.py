@@ -29,6 +29,7 @@ from miles.backends.training_utils.train_engine import TrainEngine
 from miles.backends.training_utils.trainer import PolicyTrainer
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.run_spec import TrainRunSpec
+from miles.utils.checkpoint_layout import commit_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +212,9 @@ class TrainRayActor(abc.ABC):
         self._require_awake("logprob_gap")
         return self._trainer.logprob_gap(_resolve(data_ref))
 
-    def save_model(self, rollout_id: int) -> None:
-        """A resumable checkpoint of model, optimizer and schedule for `rollout_id`."""
+    def save_model(self, rollout_id: int, commit: bool = True) -> None:
+        """A resumable checkpoint of model, optimizer and schedule for `rollout_id`; without
+        `commit` it is not named the latest until `commit_checkpoint`."""
         if not self.spec.save:
             raise ValueError("save_model() needs a checkpoint directory: set --save")
         self._require_awake("save_model")
@@ -221,7 +223,12 @@ class TrainRayActor(abc.ABC):
             "global_step": self._trainer.global_step,
             "hf_checkpoint": str(self.spec.hf_checkpoint),
         }
-        self._engine.save(self.spec.save, rollout_id, extra)
+        self._engine.save(self.spec.save, rollout_id, extra, commit=commit)
+
+    def commit_checkpoint(self, rollout_id: int) -> None:
+        """Name `rollout_id`'s checkpoint (saved with commit=False) the latest; rank 0 writes."""
+        if self.rank == 0:
+            commit_checkpoint(self.spec.save, rollout_id)
 
     def export_hf(self, path: str | Path) -> None:
         """The current weights as a Hugging Face checkpoint directory."""

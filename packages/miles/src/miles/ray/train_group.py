@@ -247,8 +247,11 @@ class RayTrainGroup:
         """Run `method(*args)` on every rank; rank 0's result."""
         return self._gather(self._all(method, *args), method)[0]
 
-    def save_model(self, rollout_id: int) -> None:
-        self.call("save_model", rollout_id)
+    def save_model(self, rollout_id: int, commit: bool = True) -> None:
+        self.call("save_model", rollout_id, commit)
+
+    def commit_checkpoint(self, rollout_id: int) -> None:
+        self.call("commit_checkpoint", rollout_id)
 
     def connect_engines(self, engine_urls: list[str], admin_api_key: str | None = None) -> None:
         """The engines every rank pushes its weights to (see `TrainRayActor.connect_engines`)."""

@@ -5,7 +5,10 @@
 `<save>/iter_<N:07d>/` holds the backend's state of rollout N, `<save>/rollout/iter_<N:07d>.json`
 the rollout side's (data-source position, partial-rollout buffer), and
 `<save>/latest_checkpointed_iteration.txt` names the newest complete N. The pointer is written
-last, after both parts, so a crash mid-save leaves the previous checkpoint the latest.
+last, after both parts, so a crash mid-save leaves the previous checkpoint the latest. In a run,
+"last" is also after the rollout's metrics record is logged (`Run.finish_rollout`): a run killed
+between the two resumes from the previous checkpoint and logs the rollout again, so no record of
+a checkpointed rollout is ever missing.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def latest_rollout_id(load_dir: str | os.PathLike) -> int | None:
             f"{pointer} holds {text!r}, not a rollout id; write the number of the latest complete "
             "iter_* directory into it, or delete it to start fresh"
         ) from None
+
+
+def commit_checkpoint(save_dir: str | os.PathLike, rollout_id: int) -> None:
+    """Name rollout `rollout_id`'s checkpoint the latest: call once all of its parts are written."""
+    atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -36,6 +36,7 @@ from miles.backends.training_utils.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
     atomic_write_text,
+    commit_checkpoint,
     iteration_dir,
     latest_rollout_id,
 )
@@ -80,12 +81,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: LRScheduler | None,
     extra_meta: dict | None = None,
+    commit: bool = True,
 ) -> Path:
     """Save everything needed to resume after `rollout_id`; every rank must call it.
 
     `extra_meta` (JSON-serialisable: data-source position, step counters) is stored in meta.json
     and returned by `load_checkpoint`. The pointer file moves to this iteration only after every
     rank has written its part, so a crash mid-save leaves the previous checkpoint the latest.
+    `commit=False` leaves the pointer to the caller (`checkpoint_layout.commit_checkpoint`).
     """
     if rollout_id < 0:
         raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
@@ -118,7 +121,8 @@ def save_checkpoint(
             "extra": json.loads(extra_json),
         }
         atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
-        atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
+        if commit:
+            commit_checkpoint(save_dir, rollout_id)
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, path)
     _barrier()  # no rank reads or prunes checkpoints before the pointer is in place
     return path

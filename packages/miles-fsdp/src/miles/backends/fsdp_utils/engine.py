@@ -289,7 +289,7 @@ class FSDPEngine:
         # A sleeping FSDP model sits in host memory, where its shards stay readable.
         return contextlib.nullcontext()
 
-    def save(self, directory: str, rollout_id: int, extra: dict) -> None:
+    def save(self, directory: str, rollout_id: int, extra: dict, *, commit: bool = True) -> None:
         checkpoint.save_checkpoint(
             directory,
             rollout_id,
@@ -297,6 +297,7 @@ class FSDPEngine:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             extra_meta=extra,
+            commit=commit,
         )
 
     def load(self, directory: str) -> LoadedCheckpoint | None:

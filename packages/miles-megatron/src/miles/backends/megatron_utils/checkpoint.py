@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
     atomic_write_text,
+    commit_checkpoint,
     iteration_dir,
     latest_rollout_id,
 )
@@ -64,9 +65,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(
-    save_dir: str, rollout_id: int, model: Any, optimizer: Any, scheduler: Any, *, extra: dict
+    save_dir: str,
+    rollout_id: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    extra: dict,
+    commit: bool = True,
 ) -> Path:
-    """Save everything needed to resume after `rollout_id`; every rank must call it."""
+    """Save everything needed to resume after `rollout_id`; every rank must call it. The pointer
+    names it the latest only after every rank's part is written; `commit=False` leaves the
+    pointer to the caller (`checkpoint_layout.commit_checkpoint`)."""
     path = iteration_dir(save_dir, rollout_id)
     if _rank() == 0:
         if path.exists():  # a re-save must not mix in files of the earlier one
@@ -90,7 +100,8 @@ def save(
         world = dist.get_world_size() if dist.is_initialized() else 1
         meta = {"rollout_id": rollout_id, "world_size": world, **extra}
         atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
-        atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
+        if commit:
+            commit_checkpoint(save_dir, rollout_id)
     _barrier()
     return path
 

@@ -213,9 +213,15 @@ class MegatronEngine:
             return contextlib.nullcontext()
         return self._offloader.visiting(list(self.model.module.parameters()))
 
-    def save(self, directory: str, rollout_id: int, extra: dict) -> None:
+    def save(self, directory: str, rollout_id: int, extra: dict, *, commit: bool = True) -> None:
         checkpoint.save(
-            directory, rollout_id, self.model, self.optimizer, self.scheduler, extra=extra
+            directory,
+            rollout_id,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            extra=extra,
+            commit=commit,
         )
 
     def load(self, directory: str) -> LoadedCheckpoint | None:

@@ -105,8 +105,12 @@ class TrainEngine(Protocol):
         sleeping leaves them readable)."""
         ...
 
-    def save(self, directory: str, rollout_id: int, extra: dict[str, Any]) -> None:
-        """A resumable checkpoint of rollout `rollout_id`; writes the latest pointer last."""
+    def save(
+        self, directory: str, rollout_id: int, extra: dict[str, Any], *, commit: bool = True
+    ) -> None:
+        """A resumable checkpoint of rollout `rollout_id`. `commit` writes the latest pointer
+        last; without it the caller commits once its own parts of the rollout are written
+        (`miles.utils.checkpoint_layout.commit_checkpoint`)."""
         ...
 
     def load(self, directory: str) -> LoadedCheckpoint | None:
