@@ -4,19 +4,17 @@ keeps every module any caller asked it to preload."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
-import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from miles.backends.training_utils.testing import (
-    DEFAULT_PRELOAD,
-    DistributedWorkerError,
-    run_distributed,
-)
+from miles.backends.training_utils.testing import DistributedWorkerError, run_distributed
 
 
 def _rank_and_size(rank: int) -> tuple[int, int]:
@@ -40,28 +38,20 @@ def _uses_a_manager(rank: int) -> list[int]:
         return list(shared)
 
 
-def _fork_server_and_preloaded(rank: int, names: tuple[str, ...]) -> tuple[int, list[str]]:
-    """The fork server this worker came from, and which of `names` it had imported."""
-    return os.getppid(), [name for name in names if name in sys.modules]
-
-
 def test_the_fork_server_restarts_only_for_a_module_it_lacks_and_keeps_the_union():
-    # Standard-library modules that no preload of the suite imports (colorsys would not do: a
-    # plotting import pulls it in): what a worker finds in sys.modules came from the server.
-    probes = ("tabnanny", "pyclbr")
-
-    def ask(*extra: str) -> tuple[int, list[str]]:
-        return run_distributed(
-            _fork_server_and_preloaded, 1, probes, preload=(*DEFAULT_PRELOAD, *extra)
-        )[0]
-
-    first_server, first = ask("tabnanny")
+    # In a fresh interpreter (fork_server_probe.py): here it would restart the suite's own server.
+    probe = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("fork_server_probe.py"))],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    asked = json.loads(probe.stdout.splitlines()[-1])
+    (first_server, first), again, (second_server, second), last = asked
     assert first == ["tabnanny"]
-    assert ask() == (first_server, ["tabnanny"])  # a subset: the same server, still holding it
-    second_server, second = ask("pyclbr")
+    assert again == [first_server, ["tabnanny"]]  # a subset: the same server, still holding it
     assert second_server != first_server  # restarted once for the module it lacked
     assert second == ["tabnanny", "pyclbr"]  # ... with the union, not only the newest list
-    assert ask("tabnanny") == (second_server, ["tabnanny", "pyclbr"])
+    assert last == [second_server, ["tabnanny", "pyclbr"]]
 
 
 def test_each_rank_joins_one_group_and_results_come_back_by_rank():
