@@ -124,7 +124,7 @@ def save_checkpoint(
         if commit:
             commit_checkpoint(save_dir, rollout_id)
         logger.info("saved checkpoint of rollout %d to %s", rollout_id, path)
-    _barrier()  # no rank reads or prunes checkpoints before the pointer is in place
+    _barrier()  # no rank reads or prunes checkpoints before rank 0 has finished this one
     return path
 
 
