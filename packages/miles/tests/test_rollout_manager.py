@@ -194,3 +194,16 @@ def test_colocated_sglang_engines_start_with_the_memory_saver(
     spec = engine_launch_spec(config, engine, 1, tmp_path)
     assert spec["extra_args"] == expected_extra
     assert spec["random_seed"] == 6 and spec["log_path"] == str(tmp_path / "engine_1.log")
+
+
+def test_engines_record_routed_experts_when_the_requests_ask_for_them(tmp_path):
+    # Without --enable-return-routed-experts an engine refuses such a request (400).
+    def spec(*flags: str) -> bool:
+        config = load_config([
+            "--hf-checkpoint", "c", "--prompt-data", "d.jsonl", "--rollout-batch-size", "2",
+            *flags,
+        ])  # fmt: skip
+        return engine_launch_spec(config, "reference", 0, tmp_path)["return_routed_experts"]
+
+    assert spec("--return-routed-experts")
+    assert not spec()

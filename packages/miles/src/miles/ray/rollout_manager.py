@@ -99,7 +99,8 @@ def engine_launch_spec(
         "log_path": str(log_dir / f"engine_{index}.log"),
         "extra_args": extra_args,
         "visible_devices": visible_devices,
-        "return_routed_experts": config.training.use_rollout_routing_replay,
+        # Whatever makes the requests ask (--return-routed-experts, or R3 that sets it).
+        "return_routed_experts": config.rollout.return_routed_experts,
     }
 
 
