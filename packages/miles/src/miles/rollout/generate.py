@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
-import functools
 import inspect
 import logging
 import time
@@ -170,8 +169,6 @@ class _Rollout:
             generate_fn = generate_sample
             if config.custom_generate_function_path:
                 generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
-            elif config.return_routed_experts:
-                generate_fn = functools.partial(generate_sample, return_routed_experts=True)
         self.pool = pool
         self.data_source = data_source
         self.score_groups = score_groups
@@ -375,6 +372,8 @@ class _Rollout:
                 "max_new_tokens": remaining,
                 "sampling_seed": self.config.sampling_seed(sample.index, sample.response_length),
             }
+            if self.generate_fn is generate_sample and self.config.return_routed_experts:
+                return await generate_sample(self.pool, sample, params, return_routed_experts=True)
             return await self.generate_fn(self.pool, sample, params)
 
     async def _drain_leftovers(self, rollout_id: int) -> None:
