@@ -183,3 +183,36 @@ def test_fsdp_train_step_on_packed_qwen3_5_equals_unpacked_training(tmp_path):
     assert max(grad_diffs) < 1e-4, grad_diffs
     torch.testing.assert_close(rank0["norms"], rank0["ref_norms"], rtol=1e-4, atol=0)
     assert _max_rel_diff(rank0["params"], rank0["ref_params"]) < 1e-4
+
+
+def test_a_packed_gdn_moe_forward_measures_its_routers_over_the_packed_tokens():
+    # A Gated DeltaNet hybrid runs packed rows as one sequence even on sdpa: the MoE metrics'
+    # token order must be that one (it was the padded layout's, and the mask did not fit).
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    from miles.backends.fsdp_utils.modeling import packed_logits, runs_as_one_row
+    from miles.backends.fsdp_utils.moe_stats import MoEStats
+    from miles.backends.fsdp_utils.routing import real_tokens
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=259, hidden_size=32, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=256, pad_token_id=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    _, packed = _packed_documents()
+    assert runs_as_one_row(model, "sdpa")
+    real = real_tokens(packed, runs_as_one_row(model, "sdpa"))
+    assert real.shape == (packed.total_length,) and int(real.sum()) == sum(DOC_LENGTHS)
+    moe: dict = {}
+    with torch.no_grad(), MoEStats(model, 0.001).measuring(real, into=moe):
+        packed_logits(model, packed, attn_implementation="sdpa", device=CPU)
+    assert "aux_loss" in moe and any(key.startswith("moe/") for key in moe)

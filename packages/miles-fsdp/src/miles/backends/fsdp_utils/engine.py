@@ -29,6 +29,7 @@ from miles.backends.fsdp_utils.modeling import (
     discard_unreduced_grads,
     packed_logits,
     response_positions,
+    runs_as_one_row,
 )
 from miles.backends.fsdp_utils.moe_stats import MoEStats
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
@@ -160,7 +161,7 @@ class FSDPEngine:
             if self.routing is not None and phase is not None:
                 stack.enter_context(self.routing.around(micro, packed, phase))
             if moe is not None and self.moe is not None:
-                real = real_tokens(packed, self.args.attn_implementation)
+                real = real_tokens(packed, runs_as_one_row(model, self.args.attn_implementation))
                 stack.enter_context(self.moe.measuring(real, into=moe))
             logits = packed_logits(
                 model, packed, attn_implementation=self.args.attn_implementation, device=self.device

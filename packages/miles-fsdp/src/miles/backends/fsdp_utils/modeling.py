@@ -152,6 +152,13 @@ def _fsdp_params(model: nn.Module) -> list:
 # -- forward on packed micro-batches -----------------------------------------------------------
 
 
+def runs_as_one_row(model: nn.Module, attn_implementation: str) -> bool:
+    """Whether `packed_logits` runs a packed row as one sequence given its segment boundaries
+    (flash attention, or a model with Gated DeltaNet layers) rather than as one padded row per
+    document: the token order a MoE model's routers see."""
+    return attn_implementation == "flash_attention_2" or enable_gdn_packing(model)
+
+
 def packed_logits(
     model: nn.Module, packed: PackedBatch, *, attn_implementation: str, device: torch.device
 ) -> torch.Tensor:
@@ -166,7 +173,7 @@ def packed_logits(
     L_i^2 rather than the (sum L_i)^2 of a block-diagonal mask over the packed row. The logits
     come back in the packed row's layout.
     """
-    if attn_implementation == "flash_attention_2" or enable_gdn_packing(model):
+    if runs_as_one_row(model, attn_implementation):
         input_ids = packed.input_ids.to(device)  # (1, T)
         position_ids = packed.position_ids.to(device)  # (1, T)
         segments = boundary_kwargs(packed.cu_seqlens_with_padding.to(device), packed.max_seqlen)

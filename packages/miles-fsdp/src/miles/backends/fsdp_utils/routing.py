@@ -1,8 +1,9 @@
 """Routing replay over the FSDP backend's packed forwards (--use-rollout-routing-replay: R3,
 --use-routing-replay: R2).
 
-`packed_logits` runs a micro-batch's documents either as one packed row (flash_attention_2) or as
-the rows of a right-padded batch (sdpa, eager); the routers see those tokens flattened. Each
+`packed_logits` runs a micro-batch's documents either as one packed row (`runs_as_one_row`: flash
+attention, or a Gated DeltaNet hybrid) or as the rows of a right-padded batch (sdpa, eager); the
+routers see those tokens flattened. Each
 document's experts, (tokens - 1, layers, top_k) in the engine's `routed_experts` convention, are
 placed where its tokens are in that order; the rest (padding, each document's last token) keep the
 router's own choice. R3 replays the engine's experts in every policy forward. R2 records the
@@ -19,6 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from miles.backends.fsdp_utils.modeling import runs_as_one_row
 from miles.backends.training_utils.packing import PackedBatch
 from miles.backends.training_utils.rollout_data import RolloutBatch
 from miles.backends.training_utils.routing_replay import RoutingReplay, decode_routed_experts
@@ -27,20 +29,21 @@ ReplayMode = Literal["rollout", "old_policy"]
 Phase = Literal["old_policy", "train"]
 
 
-def document_offsets(packed: PackedBatch, attn_implementation: str) -> tuple[list[int], int]:
+def document_offsets(packed: PackedBatch, one_row: bool) -> tuple[list[int], int]:
     """Where each document's first token is in the routers' flattened token order, and how many
-    tokens that order has (as `modeling.packed_logits` lays the forward out)."""
+    tokens that order has; `one_row`: the forward runs the packed row as one sequence
+    (`modeling.runs_as_one_row`), else one padded row per document."""
     lengths = packed.cu_seqlens.diff().tolist()
-    if attn_implementation == "flash_attention_2":
+    if one_row:
         return [int(start) for start in packed.cu_seqlens[:-1]], packed.total_length
     longest = max(lengths)
     return [row * longest for row in range(len(lengths))], len(lengths) * longest
 
 
-def real_tokens(packed: PackedBatch, attn_implementation: str) -> Tensor:
-    """(tokens,) bool over the routers' flattened token order: True for document tokens, False
-    for padding."""
-    offsets, total = document_offsets(packed, attn_implementation)
+def real_tokens(packed: PackedBatch, one_row: bool) -> Tensor:
+    """(tokens,) bool over the routers' flattened token order (see `document_offsets`): True for
+    document tokens, False for padding."""
+    offsets, total = document_offsets(packed, one_row)
     real = torch.zeros(total, dtype=torch.bool)
     for offset, length in zip(offsets, packed.cu_seqlens.diff().tolist(), strict=True):
         real[offset : offset + length] = True
@@ -53,7 +56,7 @@ class PackedRouting:
     def __init__(self, model: nn.Module, mode: ReplayMode, attn_implementation: str) -> None:
         self.replay = RoutingReplay(model)
         self.mode = mode
-        self.attn_implementation = attn_implementation
+        self.one_row = runs_as_one_row(model, attn_implementation)
         self.recorded: dict[int, Tensor] = {}
         """R2: sample index -> the experts of its old-policy forward (tokens - 1, layers, top_k)."""
 
@@ -66,7 +69,7 @@ class PackedRouting:
     def around(self, micro: RolloutBatch, packed: PackedBatch, phase: Phase) -> Iterator[None]:
         """The routing of one policy forward over `micro` packed as `packed`."""
         lengths = packed.cu_seqlens.diff().tolist()
-        offsets, total = document_offsets(packed, self.attn_implementation)
+        offsets, total = document_offsets(packed, self.one_row)
         if self.mode == "old_policy" and "sample_indices" not in micro:
             raise ValueError(
                 "--use-routing-replay keeps each sample's old-policy routing by its index, but "
