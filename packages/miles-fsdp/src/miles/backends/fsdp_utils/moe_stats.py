@@ -57,10 +57,7 @@ class MoEStats:
             mask = real.to(logits.device)
             probs = torch.softmax(logits[mask].float(), dim=-1)  # (n, E)
             num_experts = probs.shape[-1]
-            counts = torch.zeros(num_experts, device=probs.device)
-            counts.index_add_(
-                0, experts[mask].reshape(-1), torch.ones(experts[mask].numel(), device=probs.device)
-            )
+            counts = torch.bincount(experts[mask].reshape(-1), minlength=num_experts).float()
             share = counts / counts.sum().clamp(min=1)  # (E,), no gradient
             aux_terms.append(num_experts * (share * probs.mean(dim=0)).sum())
             entropy = -(probs * torch.log(probs.clamp(min=1e-20))).sum(-1)  # (n,)
