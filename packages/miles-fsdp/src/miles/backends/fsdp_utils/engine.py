@@ -98,12 +98,15 @@ class FSDPEngine:
         # --ref-load: a reference model other than the start checkpoint.
         self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
         self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
+        # foreach: one multi-tensor update instead of a Python loop over the parameters, torch's
+        # default on GPUs but not on CPU, where the loop was 12% of a small model's step.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=args.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
+            foreach=True,
         )
         self.lr_scheduler = get_lr_scheduler(
             self.optimizer,
