@@ -52,6 +52,7 @@ from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, 
 from miles.utils.failures import describe
 from miles.utils.hf_config import hf_config_value
 from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
+from miles.utils.tokenizers import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,8 @@ class RolloutManager:
         return len(self._data.dataset)
 
     def _read_prompts(self) -> _Prompts:
-        from transformers import AutoTokenizer  # seconds of imports: see the module docstring
-
-        tokenizer = AutoTokenizer.from_pretrained(self.config.checkpoint.hf_checkpoint)
+        # Seconds of imports (see the module docstring); the rollout functions share it.
+        tokenizer = load_tokenizer(self.config.checkpoint.hf_checkpoint)
         dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
         return _Prompts(
             dataset=dataset,

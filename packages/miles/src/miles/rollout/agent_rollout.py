@@ -22,7 +22,6 @@ handed back as its prompt, to start again).
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import weakref
@@ -37,6 +36,7 @@ from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
 from miles.rollout.sample_generation import GenerateFunction
 from miles.rollout.session_server import SessionServer
+from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
     from miles.config.schema import MilesConfig
@@ -147,7 +147,7 @@ class AgentRunner:
         path = config.checkpoint.hf_checkpoint
         server = await session_server(rollout.session_server_host, path)
         return cls(
-            load_agent(rollout.agent_function_path), _tokenizer(path), config.data.chat_template,
+            load_agent(rollout.agent_function_path), load_tokenizer(path), config.data.chat_template,
             server, max_turns=rollout.max_turns, timeout_s=rollout.session_timeout_s,
         )  # fmt: skip
 
@@ -195,10 +195,3 @@ class AgentRunner:
                 "sample %s: agent failed: %s", sample.index, sample.metadata["session_error"]
             )
         return session.fill(sample, end, answer)
-
-
-@functools.cache
-def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer  # the rollout manager has imported it for its data
-
-    return AutoTokenizer.from_pretrained(path)

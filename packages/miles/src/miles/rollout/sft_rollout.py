@@ -12,17 +12,10 @@ the tool rollout's multi-turn episodes (`generate.sample_generator`).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from miles.backends.training_utils.sample import Sample, SampleStatus
-
-
-@functools.cache
-def _tokenizer(path: str) -> Any:
-    return AutoTokenizer.from_pretrained(path)
+from miles.utils.tokenizers import load_tokenizer
 
 
 def sft_rollout(
@@ -30,7 +23,7 @@ def sft_rollout(
 ) -> list[list[Sample]]:
     """`--rollout-batch-size` groups whose responses are the labels (no generation)."""
     del rollout_id, pool, score_groups  # nothing is generated or scored
-    tokenizer = _tokenizer(config.checkpoint.hf_checkpoint)
+    tokenizer = load_tokenizer(config.checkpoint.hf_checkpoint)
     agent = _tool_agent(config)
     groups = data_source.get_samples(config.rollout.rollout_batch_size)
     for group in groups:

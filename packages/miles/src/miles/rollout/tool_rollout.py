@@ -36,6 +36,7 @@ from miles.rollout.sample_generation import (
 )
 from miles.rollout.tools import Tool, call_tool, load_tools
 from miles.rollout.trajectory import Trajectory
+from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
     from miles.config.schema import MilesConfig
@@ -107,7 +108,7 @@ class ToolAgent:
                 "--apply-chat-template"
             )
         return cls(
-            _tokenizer(config.checkpoint.hf_checkpoint),
+            load_tokenizer(config.checkpoint.hf_checkpoint),
             config.data.chat_template,
             _tools(tuple(config.rollout.tool_paths)),
             max_turns=config.rollout.max_turns,
@@ -227,13 +228,6 @@ def _assistant_message(text: str, calls: list) -> dict[str, Any]:
     tool_calls = [{"id": c.id, "type": "function",
                    "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]  # fmt: skip
     return {"role": "assistant", "content": content, "tool_calls": tool_calls}
-
-
-@functools.cache
-def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer  # the rollout manager has imported it for its data
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 @functools.cache
