@@ -31,6 +31,7 @@ from miles.ray.rollout_source import (
 from miles.ray.run_spec import TrainRunSpec
 from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
+from miles.utils.bytecode import uncached_bytecode_warning
 from miles.utils.console import ConsoleView
 from miles.utils.divergence import DivergenceGuard, vocab_size
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
@@ -106,6 +107,8 @@ class Run:
             resuming=resumed is not None,
             overwrite=config.logging.overwrite_output_dir,
         )
+        if warning := uncached_bytecode_warning():
+            logger.warning(warning)
         clock = StartupClock()
         with clock.phase("ray"):
             has_gpus = self._join_ray()
