@@ -10,7 +10,8 @@ from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 
 
 def _reference(logits: np.ndarray, tokens: np.ndarray, temperature: float):
-    """Plain float64 NumPy: log-softmax row by row, the target's entry, and the entropy."""
+    """Plain float64 NumPy: log-softmax row by row, the targets' entries (one per row, or a row
+    of K), and the entropy."""
     log_probs, entropy = [], []
     for row, token in zip(logits.astype(np.float64) / temperature, tokens, strict=True):
         shifted = row - row.max()
@@ -29,15 +30,21 @@ def _reference(logits: np.ndarray, tokens: np.ndarray, temperature: float):
     temperature=st.sampled_from([0.3, 0.7, 1.0, 1.5]),
     scale=st.sampled_from([1.0, 30.0, 300.0]),
     seed=st.integers(0, 2**31 - 1),
+    per_position=st.sampled_from([None, 1, 3]),
 )
 # Large tempered logits, found by CI: float32 entropy is off by 1.5e-5 there.
-@example(num_tokens=24, vocab=34, chunk_size=1, temperature=0.3, scale=300.0, seed=398515648)
+@example(
+    num_tokens=24, vocab=34, chunk_size=1, temperature=0.3, scale=300.0, seed=398515648,
+    per_position=None,
+)  # fmt: skip
 def test_matches_float64_reference_for_any_chunking(
-    num_tokens, vocab, chunk_size, temperature, scale, seed
+    num_tokens, vocab, chunk_size, temperature, scale, seed, per_position
 ):
+    """`per_position`: None, one target per position (T,); K, K tokens per position (T, K)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, vocab, generator=gen, dtype=torch.float64) * scale
-    tokens = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    shape = (num_tokens,) if per_position is None else (num_tokens, per_position)
+    tokens = torch.randint(0, vocab, shape, generator=gen)
     log_probs, entropy = get_log_probs_and_entropy(
         logits, tokens, temperature=temperature, chunk_size=chunk_size
     )
@@ -62,14 +69,17 @@ def test_matches_float64_reference_for_any_chunking(
     weights=st.tuples(st.floats(-2, 2), st.floats(-2, 2)),
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from([torch.float64, torch.float32]),
+    per_position=st.sampled_from([None, 1, 4]),
 )
 def test_gradient_equals_autograd_through_plain_log_softmax(
-    num_tokens, vocab, chunk_size, temperature, weights, seed, dtype
+    num_tokens, vocab, chunk_size, temperature, weights, seed, dtype, per_position
 ):
     gen = torch.Generator().manual_seed(seed)
     base = (torch.randn(num_tokens, vocab, generator=gen, dtype=torch.float64) * 3).to(dtype)
-    tokens = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    upstream_lp = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
+    # K tokens per position may repeat one another: their gradients add up.
+    shape = (num_tokens,) if per_position is None else (num_tokens, per_position)
+    tokens = torch.randint(0, vocab, shape, generator=gen)
+    upstream_lp = torch.randn(shape, generator=gen, dtype=torch.float64)
     upstream_ent = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
 
     ours = base.clone().requires_grad_(True)
@@ -85,7 +95,7 @@ def test_gradient_equals_autograd_through_plain_log_softmax(
     assert torch.equal(ours.detach(), base)
     plain = base.double().requires_grad_(True)
     log_p = torch.log_softmax(plain / temperature, dim=-1)
-    ref_lp = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_lp = log_p.gather(-1, tokens.view(num_tokens, -1)).view(shape)
     ref_ent = -(log_p.exp() * log_p).sum(-1)
     (
         weights[0] * (ref_lp * upstream_lp).sum() + weights[1] * (ref_ent * upstream_ent).sum()
@@ -122,9 +132,10 @@ def test_only_log_probs_used_in_the_loss_still_backpropagates():
             (2, 3, 4),
             (2, 3),
             {},
-            r"expected logits \(T, V\) and tokens \(T,\), got logits \(2, 3, 4\)",
+            r"expected logits \(T, V\) and tokens \(T,\) or \(T, K\), got logits \(2, 3, 4\)",
         ),
         ((4, 5), (3,), {}, r"got logits \(4, 5\) and tokens \(3,\)"),
+        ((4, 5), (4, 2, 1), {}, r"got logits \(4, 5\) and tokens \(4, 2, 1\)"),
         ((4, 5), (4,), {"temperature": 0.0}, r"temperature must be > 0 .* got 0.0"),
         ((4, 5), (4,), {"chunk_size": 0}, r"chunk_size must be >= 1, got 0"),
     ],

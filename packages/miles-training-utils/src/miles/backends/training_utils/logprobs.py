@@ -25,18 +25,21 @@ def _chunk_log_softmax(logits: Tensor, temperature: float) -> Tensor:
 
 
 def _chunk_forward(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(token log-probs, entropy) of one chunk, holding at most two (C, V) float32 buffers."""
+    """(token log-probs (C, K), entropy (C,)) of one chunk, holding at most two (C, V) float32
+    buffers; `tokens` is (C, K)."""
     log_p = _chunk_log_softmax(logits, temperature)  # (C, V)
-    token_log_p = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (C,)
+    token_log_p = log_p.gather(-1, tokens)  # (C, K)
     entropy = -log_p.exp().mul_(log_p).sum(-1)  # (C,)
     return token_log_p, entropy
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
+    """Log-probs of K tokens per position (`tokens` (T, K)) and the entropy of each position."""
+
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int):
         num_tokens = logits.shape[0]
-        log_probs = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)  # (T,)
+        log_probs = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)  # (T, K)
         entropy = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)  # (T,)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
@@ -60,9 +63,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             # d log p_y / d z = onehot(y) - p ; d H / d z = -p * (log p + H); both through z / T.
             grad = torch.zeros_like(probs)  # (C, V)
             if grad_log_probs is not None:
-                g = grad_log_probs[start:end].float().unsqueeze(-1)  # (C, 1)
-                grad -= g * probs
-                grad.scatter_add_(-1, tokens[start:end].unsqueeze(-1), g)
+                g = grad_log_probs[start:end].float()  # (C, K)
+                grad -= g.sum(-1, keepdim=True) * probs
+                grad.scatter_add_(-1, tokens[start:end], g)
             if grad_entropy is not None:
                 g = grad_entropy[start:end].float().unsqueeze(-1)  # (C, 1)
                 grad -= g * probs * (log_p + entropy[start:end].unsqueeze(-1))
@@ -81,13 +84,15 @@ def get_log_probs_and_entropy(
 
     Both come from `softmax(logits / temperature)`, the distribution the rollout engine samples
     from, so trainer and engine log-probs of the same tokens agree. `logits` is (T, V) in any
-    float dtype, `tokens` (T,) the targets (the *next* tokens). Returns float32 (T,) tensors that
-    are differentiable w.r.t. `logits`.
+    float dtype, `tokens` (T,) the targets (the *next* tokens), or (T, K) for K tokens per
+    position (the target and a teacher's top tokens, say). Returns float32 log-probs shaped as
+    `tokens` and a (T,) entropy, differentiable w.r.t. `logits`.
     """
-    if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
+    if logits.dim() != 2 or tokens.dim() not in (1, 2) or tokens.shape[0] != logits.shape[0]:
         raise ValueError(
-            f"expected logits (T, V) and tokens (T,), got logits {tuple(logits.shape)} and "
-            f"tokens {tuple(tokens.shape)}; flatten batch and sequence dims before calling"
+            f"expected logits (T, V) and tokens (T,) or (T, K), got logits "
+            f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}; flatten batch and sequence "
+            "dims before calling"
         )
     if temperature <= 0:
         raise ValueError(
@@ -95,4 +100,8 @@ def get_log_probs_and_entropy(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedLogProbs.apply(logits, tokens.long(), float(temperature), int(chunk_size))
+    per_position = tokens.long().view(tokens.shape[0], -1)  # (T, K)
+    log_probs, entropy = _ChunkedLogProbs.apply(
+        logits, per_position, float(temperature), int(chunk_size)
+    )
+    return log_probs.view(tokens.shape), entropy
