@@ -216,7 +216,7 @@ def _fail_midway(actor, shard: dict) -> bool:
     """A loss that raises on the second of three micro-batches, after the first's backward."""
     from miles.backends.training_utils.rollout_data import select_rows
 
-    def loss_fn(index, log_probs, entropy):
+    def loss_fn(index, log_probs, entropy, scored):
         if index == 1:
             raise RuntimeError("a loss that fails midway")
         return log_probs.sum(), {}
@@ -344,9 +344,23 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
 def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from miles.backends.training_utils.testing_batches import (
+        reference_scored,
+        scored_forward,
+        with_scored_ids,
+    )
+
     args = make_args(checkpoint, use_rollout_logprobs=True).with_paths(save=str(save_dir))
     actor, start = make_actor(rank, 2, args)
     batch = make_batch(SAMPLES)
+    # The log-probs of K given ids per response position (--opd-kl-mode topk's teacher tokens)
+    # equal a float64 forward of the start checkpoint, and so do the response's beside them.
+    micro = with_scored_ids(local_shard(batch, rank, 2), 3, seed=rank)
+    got = scored_forward(actor.engine, micro)
+    want = reference_scored(
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64), micro, 0.8
+    )
+    scored_gap = max(float((got[k] - want[k]).abs().max()) for k in ("log_probs", "scored"))
     batch["rollout_log_probs"] = [[-1.0] * r for r in batch["response_lengths"]]
     actor.train(0, local_shard(batch, rank, 2))
     actor.save_model(0)
@@ -387,6 +401,7 @@ def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -
         exported = {n: p.detach() for n, p in model.named_parameters()}
     return {
         "start": start,
+        "scored_gap": scored_gap,
         "skipped_untouched": skipped_untouched,
         "resumed_start": resumed_start,
         "asleep_kept": asleep_kept,
@@ -417,6 +432,7 @@ def test_resume_sleep_and_export_keep_the_trained_weights(tmp_path):
     )
     for rank, result in enumerate(results):
         assert result["start"] == 0
+        assert result["scored_gap"] < 1e-4, f"rank {rank}: scored log-probs differ from HF's"
         assert result["skipped_untouched"], f"rank {rank}: a skipped step changed the state"
         assert result["resumed_start"] == 1, "the next rollout after the saved rollout 0"
         assert result["asleep_kept"], f"rank {rank}: sleep / wake_up changed the weights"

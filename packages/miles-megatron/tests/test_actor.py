@@ -16,6 +16,7 @@ import torch
 from miles.backends.training_utils.testing import free_port
 
 from .actor_lifecycle import (
+    TEMPERATURE,
     differing,
     engine_vs_trainer,
     make_args,
@@ -49,8 +50,23 @@ def _actor(rank: int, checkpoint: Path, save_dir: Path, layout: dict):
 
 
 def _life(rank: int, checkpoint: Path, save_dir: Path, layout: dict, url: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.training_utils.testing_batches import (
+        reference_scored,
+        scored_forward,
+        with_scored_ids,
+    )
+
     actor, start = _actor(rank, checkpoint, save_dir, layout)
     out: dict = {"start": start}
+    # The log-probs of K given ids per response position (--opd-kl-mode topk's teacher tokens),
+    # and the response's beside them, equal a float64 forward of the start checkpoint.
+    micro = with_scored_ids(make_batch(seed=4, num_samples=3), 3, seed=4)
+    got = scored_forward(actor.engine, micro)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    want = reference_scored(hf, micro, TEMPERATURE)
+    out["scored_gap"] = max(float((got[k] - want[k]).abs().max()) for k in want)
     out["gap_at_start"] = actor.logprob_gap(
         with_rollout_log_probs(checkpoint, make_batch(seed=0), CPU)
     )
@@ -143,6 +159,7 @@ def life(request, tmp_path_factory, engine) -> dict:
 
 def test_a_fresh_actor_starts_at_rollout_0_with_the_hf_models_log_probs(life):
     for rank in life["ranks"]:
+        assert rank["scored_gap"] < 1e-4, "log-probs of the scored ids differ from HF's"
         assert rank["start"] == 0
         assert rank["gap_at_start"] < 1e-5
 

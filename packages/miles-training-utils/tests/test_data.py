@@ -11,6 +11,7 @@ from miles.backends.training_utils.data import (
     get_batch,
     get_data_iterator,
     get_rollout_data,
+    token_rows,
 )
 from miles.backends.training_utils.packing import unpack_per_token
 from miles.backends.training_utils.rollout_data import (
@@ -63,6 +64,24 @@ def test_samples_become_columns_with_one_row_per_sample():
 def test_rollout_log_probs_column_is_absent_when_no_sample_has_them():
     batch = samples_to_rollout_batch([_sample(0, rollout_log_probs=None)], [1.0])
     assert "rollout_log_probs" not in batch
+
+
+def test_the_teachers_top_tokens_become_k_wide_token_rows():
+    top = {"teacher_top_ids": [[4, 5, 6], [7, 8, 9]], "teacher_top_log_probs": [[-1.0] * 3] * 2}
+    samples = [_sample(0, **top), _sample(1, response_len=1, teacher_top_ids=[[1, 2, 3]],
+                                         teacher_top_log_probs=[[-0.5, -1.5, -2.5]])]  # fmt: skip
+    batch = samples_to_rollout_batch(samples, [0.0, 0.0])
+    assert batch["teacher_top_ids"] == [[[4, 5, 6], [7, 8, 9]], [[1, 2, 3]]]
+    batch["teacher_top_ids"][0][0][0] = 99  # the batch holds copies, row by row
+    assert samples[0].teacher_top_ids[0][0] == 4
+    rows = token_rows(batch, "teacher_top_log_probs", torch.float32)  # (sum R, K)
+    assert rows.shape == (3, 3) and rows[2].tolist() == [-0.5, -1.5, -2.5]
+    with pytest.raises(ValueError, match=r"'teacher_top_ids' row 0 has 1 positions for 2"):
+        token_rows({**batch, "teacher_top_ids": [[[1, 2, 3]], [[1, 2, 3]]]}, "teacher_top_ids",
+                   torch.long)  # fmt: skip
+    with pytest.raises(ValueError, match=r"rows have different K: \[2, 3\]"):
+        token_rows({**batch, "teacher_top_ids": [[[1, 2], [1, 2]], [[1, 2, 3]]]},
+                   "teacher_top_ids", torch.long)  # fmt: skip
 
 
 def test_mixing_samples_with_and_without_rollout_log_probs_is_rejected():

@@ -60,6 +60,21 @@ def test_rollout_log_probs_need_one_entry_per_response_token():
         _sample(rollout_log_probs=[-0.1, -0.2, -0.3])
 
 
+def test_teacher_top_tokens_come_with_their_log_probs_k_per_response_token():
+    ok = _sample(
+        teacher_top_ids=[[5, 7], [1, 2]], teacher_top_log_probs=[[-0.1, -2.0], [-0.5, -1.5]]
+    )
+    assert ok.teacher_top_ids == [[5, 7], [1, 2]]
+    with pytest.raises(ValueError, match="set both or neither"):
+        _sample(teacher_top_ids=[[5], [1]])
+    with pytest.raises(
+        ValueError, match=r"len\(teacher_top_ids\) \(1\) must equal response_length"
+    ):
+        _sample(teacher_top_ids=[[5]], teacher_top_log_probs=[[-0.1]])
+    with pytest.raises(ValueError, match=r"the same number \(K >= 1\).*got \[1, 2\]"):
+        _sample(teacher_top_ids=[[5, 7], [1]], teacher_top_log_probs=[[-0.1, -2.0], [-0.5]])
+
+
 def test_loss_mask_needs_one_entry_per_response_token():
     with pytest.raises(
         ValueError, match=r"len\(loss_mask\) \(1\) must equal response_length \(2\)"

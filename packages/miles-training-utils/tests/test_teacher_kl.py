@@ -16,9 +16,11 @@ from miles.backends.training_utils.teacher_kl import (
     kl_loss_per_token,
     penalize_advantages,
     reverse_kl,
+    topk_forward_kl,
 )
+from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS
 
-from .test_trainer import BigramEngine, batch, trainer
+from .test_trainer import TEMPERATURE, VOCAB, BigramEngine, batch, trainer
 
 # -- the formula ---------------------------------------------------------------------------------
 
@@ -129,7 +131,7 @@ def test_loss_mode_adds_the_reduced_kl_term_to_the_loss_gradient(teacher_dir):
     trainer(engine, global_batch_size=8, distillation=opd).train(dict(data))
     # Reference: the whole batch in one float64 forward: policy loss + 0.3 x reduced KL term.
     reference = BigramEngine(dtype=torch.float64)
-    log_probs, entropy = reference._log_probs(reference.model, data)
+    log_probs, entropy, _ = reference._log_probs(reference.model, data)
     mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
     teacher = torch.tensor([t for ts in data["teacher_log_probs"] for t in ts], dtype=torch.float64)
     old = log_probs.detach()
@@ -150,6 +152,72 @@ def test_loss_mode_adds_the_reduced_kl_term_to_the_loss_gradient(teacher_dir):
     (loss + 0.3 * term).backward()
     # The step's per-token columns (teacher scores, advantages) are float32.
     torch.testing.assert_close(engine.last_grad, reference.model.weight.grad, atol=1e-7, rtol=0)
+
+
+def with_teacher_top(data: dict, k: int, seed: int = 2) -> dict:
+    """The teacher's top-k ids and log-probs (distinct ids, likeliest first) at every position."""
+    generator = torch.Generator().manual_seed(seed)
+    data[SCORED_TOKEN_IDS], data["teacher_top_log_probs"] = [], []
+    for n in data["response_lengths"]:
+        logits = torch.randn(n, VOCAB, generator=generator, dtype=torch.float64) * 2
+        top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        data[SCORED_TOKEN_IDS].append(top.indices.tolist())
+        data["teacher_top_log_probs"].append(top.values.tolist())
+    return data
+
+
+def test_topk_mode_adds_the_forward_kl_from_the_teachers_top_tokens_to_the_loss(teacher_dir):
+    data = with_teacher_top(with_teacher(batch(masked=True)), k=4)
+    opd = DistillationConfig(
+        use_opd=True, opd_kl_coef=0.7, opd_kl_mode="topk", opd_top_k=4,
+        opd_teacher_checkpoint=teacher_dir,
+    )  # fmt: skip
+    engine = BigramEngine(dtype=torch.float64)
+    metrics = trainer(engine, global_batch_size=8, distillation=opd).train(dict(data))
+    # Reference, float64, the whole batch: the policy loss plus 0.7 x the reduced
+    # sum_j p_T(j) (log p_T(j) - log p_S(j)), with the student's log-softmax written out here.
+    reference = BigramEngine(dtype=torch.float64)
+    rows, student_top = [], []
+    for tokens, n, ids in zip(data["tokens"], data["response_lengths"], data[SCORED_TOKEN_IDS], strict=True):  # fmt: skip
+        t = torch.as_tensor(tokens)
+        logits = reference.model(t[len(tokens) - n - 1 : -1]) / TEMPERATURE  # (R, V)
+        log_p = torch.log_softmax(logits, -1)
+        rows.append(log_p.gather(-1, t[len(tokens) - n :].unsqueeze(-1)).squeeze(-1))
+        student_top.append(log_p.gather(-1, torch.tensor(ids)))
+    log_probs, scored = torch.cat(rows), torch.cat(student_top)  # (T,), (T, 4)
+    teacher = torch.tensor(
+        [r for rs in data["teacher_top_log_probs"] for r in rs], dtype=torch.float64
+    )
+    mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
+    advantages = torch.cat(
+        [torch.full((n,), float(r), dtype=torch.float64)
+         for n, r in zip(data["response_lengths"], data["rewards"], strict=True)]
+    )  # fmt: skip
+    config, normalizer = LossConfig(), LossNormalizer(num_samples=8, num_tokens=int(mask.sum()))
+    inputs = {
+        "log_probs": log_probs, "entropy": torch.zeros_like(log_probs), "loss_mask": mask,
+        "old_log_probs": log_probs.detach(), "advantages": advantages,
+        "response_lengths": data["response_lengths"],
+    }  # fmt: skip
+    loss, _ = policy_loss(inputs, config, normalizer)
+    kl = (teacher.exp() * (teacher - scored)).sum(-1)  # (T,)
+    term = reduce_loss(kl, mask, data["response_lengths"], config=config, normalizer=normalizer)
+    (loss + 0.7 * term).backward()
+    torch.testing.assert_close(engine.last_grad, reference.model.weight.grad, atol=1e-7, rtol=0)
+    want = float((kl.detach() * mask).sum() / mask.sum())
+    assert metrics[0]["train/opd_topk_kl"] == pytest.approx(want, abs=1e-6)
+
+
+def test_topk_forward_kl_is_zero_where_the_student_matches_the_teacher_and_positive_elsewhere():
+    teacher = torch.log_softmax(torch.randn(5, 9, dtype=torch.float64), -1).topk(3, dim=-1).values
+    assert torch.equal(
+        topk_forward_kl(teacher.clone(), teacher), torch.zeros(5, dtype=torch.float64)
+    )
+    # Less mass on the teacher's tokens costs sum_j p_T(j) x the log-ratio.
+    lower = teacher - 0.5
+    torch.testing.assert_close(topk_forward_kl(lower, teacher), 0.5 * teacher.exp().sum(-1))
+    with pytest.raises(ValueError, match=r"student log-probs \(5, 2\) of the teacher's top"):
+        topk_forward_kl(teacher[:, :2], teacher)
 
 
 def test_the_step_refuses_a_batch_without_teacher_scores(teacher_dir):
@@ -186,8 +254,25 @@ def test_a_teacher_checkpoint_is_checked_to_exist(tmp_path):
         ({"opd_kl_mode": "loss"}, r"--opd-kl-mode \(loss\) is only read with --use-opd"),
         ({"opd_teacher_num_engines": 0}, r"--opd-teacher-num-engines \(0\) must be a positive"),
         ({"use_opd": True, "opd_kl_coef": 0.0}, r"--opd-kl-coef \(0.0\) must be > 0"),
+        ({"opd_top_k": 5}, r"--opd-top-k \(5\) is only read with --use-opd"),
+        (
+            {"use_opd": True, "opd_top_k": 5},
+            r"--opd-top-k \(5\) is only read with --opd-kl-mode topk \(now advantages\)",
+        ),
+        (
+            {"use_opd": True, "opd_kl_mode": "topk", "opd_top_k": 0},
+            r"--opd-top-k \(0\) must be >= 1 with --opd-kl-mode topk",
+        ),
     ],
 )
-def test_bad_settings_are_refused_naming_the_flag(settings_, message):
+def test_bad_settings_are_refused_naming_the_flag(settings_, message, teacher_dir):
+    if settings_.get("use_opd"):
+        settings_ = {**settings_, "opd_teacher_checkpoint": teacher_dir}
     with pytest.raises(ValueError, match=message):
         DistillationConfig(**settings_)
+
+
+def test_the_step_refuses_topk_mode_without_the_teachers_top_tokens(teacher_dir):
+    opd = DistillationConfig(use_opd=True, opd_kl_mode="topk", opd_teacher_checkpoint=teacher_dir)
+    with pytest.raises(ValueError, match=r"no \['teacher_top_ids', 'teacher_top_log_probs'\]"):
+        trainer(BigramEngine(), distillation=opd).train(with_teacher(batch()))

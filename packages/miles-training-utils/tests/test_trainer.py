@@ -19,7 +19,11 @@ from miles.backends.training_utils.loss import LossNormalizer, policy_loss
 from miles.backends.training_utils.loss_config import LossConfig
 from miles.backends.training_utils.testing import run_distributed
 from miles.backends.training_utils.testing_batches import random_rollout_batch
-from miles.backends.training_utils.train_engine import OptimizerStepResult, TrainEngine
+from miles.backends.training_utils.train_engine import (
+    SCORED_TOKEN_IDS,
+    OptimizerStepResult,
+    TrainEngine,
+)
 from miles.backends.training_utils.trainer import PolicyTrainer
 
 VOCAB = 32
@@ -42,16 +46,26 @@ class BigramEngine:
         self.engine_dtype = dtype
         self.calls: list[tuple[str, int]] = []  # (what, micro-batches)
 
-    def _log_probs(self, model: nn.Module, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        log_probs, entropies = [], []
-        for tokens, response in zip(micro["tokens"], micro["response_lengths"], strict=True):
+    def _log_probs(self, model: nn.Module, micro: dict):
+        """(log_probs, entropy, scored): scored are the log-probs of the micro-batch's
+        SCORED_TOKEN_IDS (None without them), as the TrainEngine contract says."""
+        log_probs, entropies, scored = [], [], []
+        extra = micro.get(SCORED_TOKEN_IDS, [None] * len(micro["tokens"]))
+        for tokens, response, ids_k in zip(
+            micro["tokens"], micro["response_lengths"], extra, strict=True
+        ):
             ids = torch.as_tensor(tokens)
             start = len(tokens) - response
             logits = model(ids[start - 1 : -1])  # (R, V): token t predicts t + 1
-            lp, ent = get_log_probs_and_entropy(logits, ids[start:], temperature=TEMPERATURE)
-            log_probs.append(lp)
+            targets = ids[start:]
+            if ids_k is not None:  # (R, 1 + K): the target, then the scored ids
+                targets = torch.cat([targets.unsqueeze(-1), torch.as_tensor(ids_k)], dim=-1)
+            lp, ent = get_log_probs_and_entropy(logits, targets, temperature=TEMPERATURE)
+            log_probs.append(lp if ids_k is None else lp[:, 0])
+            scored.append(None if ids_k is None else lp[:, 1:])
             entropies.append(ent)
-        return torch.cat(log_probs), torch.cat(entropies)
+        top = None if scored[0] is None else torch.cat(scored)
+        return torch.cat(log_probs), torch.cat(entropies), top
 
     def forward_log_probs(self, micro_batches: Sequence[dict], *, reference: bool = False):
         self.calls.append(("reference" if reference else "policy", len(micro_batches)))
@@ -144,7 +158,7 @@ def test_one_step_equals_a_float64_whole_batch_reference():
     model.load_state_dict(BigramEngine(dtype=torch.float64).model.state_dict())
     reference = dict(data)
     compute_advantages_and_returns(reference, LossConfig())
-    log_probs, entropy = BigramEngine._log_probs(None, model, reference)
+    log_probs, entropy, _ = BigramEngine._log_probs(None, model, reference)
     inputs = {
         "log_probs": log_probs, "entropy": entropy, "old_log_probs": log_probs.detach(),
         "advantages": torch.cat(reference["advantages"]).double(),

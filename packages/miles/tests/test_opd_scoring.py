@@ -16,6 +16,7 @@ from miles.backends.training_utils.sample import Sample
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.opd import (
     response_log_probs,
+    response_top_tokens,
     score_with_teacher,
     scoring_request,
     teacher_kl_metrics,
@@ -60,6 +61,46 @@ def test_teacher_scores_equal_the_trainers_log_probs_of_the_same_tokens(
         want = trainer_log_probs(model, sample)
         got = torch.tensor(sample.teacher_log_probs, dtype=torch.float64)
         torch.testing.assert_close(got, want.double(), atol=1e-4, rtol=0)
+
+
+def test_teacher_top_tokens_are_the_trainers_top_log_probs_at_every_response_position(
+    engine_url, tiny_checkpoint
+):
+    groups = [[make_sample(i, p, r) for i, (p, r) in enumerate(SAMPLES)]]
+
+    async def score() -> None:
+        async with EnginePool([engine_url]) as pool:
+            await score_with_teacher(pool, groups, top_k=5)
+
+    asyncio.run(score())
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64).eval()
+    for sample in groups[0]:
+        ids = torch.tensor([sample.tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]  # (L, V)
+        positions = torch.arange(sample.prompt_length - 1, len(sample.tokens) - 1)
+        log_p = torch.log_softmax(logits[positions], -1)  # (R, V), the model's own distribution
+        got_ids = torch.tensor(sample.teacher_top_ids)  # (R, 5)
+        assert got_ids.shape == (sample.response_length, 5)
+        # Likeliest first, and each listed value is the float64 log-prob of the listed id.
+        got = torch.tensor(sample.teacher_top_log_probs, dtype=torch.float64)
+        torch.testing.assert_close(got, log_p.gather(-1, got_ids), atol=1e-4, rtol=0)
+        assert (got[:, :-1] >= got[:, 1:]).all()
+        torch.testing.assert_close(got, log_p.topk(5, dim=-1).values, atol=1e-4, rtol=0)
+
+
+def test_a_top_token_answer_of_another_width_is_refused():
+    sample = make_sample(3, [1, 2], [3, 4])
+    answer = {"input_top_logprobs": [None, [[-0.1, 7, None]], [[-0.2, 8, None], [-0.9, 1, None]]]}
+    with pytest.raises(ValueError, match=r"listed 2 positions of \[1, 2\] top tokens for sample 3"):
+        response_top_tokens(sample, answer, 2)
+    answer["input_top_logprobs"][1].append([-0.3, 5, None])
+    assert response_top_tokens(sample, answer, 2) == (
+        [[7, 5], [8, 1]],
+        [[-0.1, -0.3], [-0.2, -0.9]],
+    )
+    assert scoring_request(sample, 2)["top_logprobs_num"] == 2
+    assert "top_logprobs_num" not in scoring_request(sample)
 
 
 def test_the_request_scores_from_the_last_prompt_token_and_generates_nothing():

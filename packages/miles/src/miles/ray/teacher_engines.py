@@ -79,9 +79,10 @@ class TeacherEngines:
         return ray.remote(RolloutEngineActor).options(**options).remote()
 
     async def score(self, groups: list[list[Any]]) -> dict[str, float]:
-        """Put the teacher's log-probs on every sample; the rollout's `opd/*` metrics."""
+        """Put the teacher's log-probs (and top tokens, in topk mode) on every sample; the
+        rollout's `opd/*` metrics."""
         assert self.pool is not None, "start() before score()"
-        await score_with_teacher(self.pool, groups)
+        await score_with_teacher(self.pool, groups, self.config.distillation.teacher_top_k)
         return teacher_kl_metrics(groups)
 
     async def dispose(self) -> None:

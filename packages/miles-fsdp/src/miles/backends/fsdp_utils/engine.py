@@ -37,12 +37,13 @@ from miles.backends.fsdp_utils.precision import PrecisionPolicy
 from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
-from miles.backends.training_utils.data import get_batch
+from miles.backends.training_utils.data import get_batch, token_rows
 from miles.backends.training_utils.device import empty_cache, get_device_info, synchronize
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.rollout_data import RolloutBatch
 from miles.backends.training_utils.routing_replay import moe_routers
 from miles.backends.training_utils.train_engine import (
+    SCORED_TOKEN_IDS,
     LoadedCheckpoint,
     MicroBatchLoss,
     OptimizerStepResult,
@@ -155,10 +156,11 @@ class FSDPEngine:
         micro: RolloutBatch,
         phase: Phase | None = None,
         moe: dict[str, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """(sum R,) log-probs and entropies of a micro-batch's response tokens; `phase`: a
-        policy forward, routed as routing replay says; `moe`: filled with the MoE routers'
-        load-balancing loss and metrics of this forward."""
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(sum R,) log-probs and entropies of a micro-batch's response tokens, and the (sum R, K)
+        log-probs of its `SCORED_TOKEN_IDS` when it has them; `phase`: a policy forward, routed
+        as routing replay says; `moe`: filled with the MoE routers' load-balancing loss and
+        metrics of this forward."""
         packed = get_batch(micro, ())["packed"]
         with contextlib.ExitStack() as stack:
             if self.routing is not None and phase is not None:
@@ -171,7 +173,18 @@ class FSDPEngine:
             )  # (T, V)
         positions = response_positions(packed).to(self.device)  # (sum R,)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
-        return get_log_probs_and_entropy(logits[positions], targets, temperature=self.temperature)
+        if SCORED_TOKEN_IDS not in micro:
+            log_probs, entropy = get_log_probs_and_entropy(
+                logits[positions], targets, temperature=self.temperature
+            )
+            return log_probs, entropy, None
+        scored_ids = token_rows(micro, SCORED_TOKEN_IDS, torch.long).to(self.device)  # (sum R, K)
+        both, entropy = get_log_probs_and_entropy(
+            logits[positions],
+            torch.cat([targets.unsqueeze(-1), scored_ids], dim=-1),  # (sum R, 1 + K)
+            temperature=self.temperature,
+        )
+        return both[:, 0], entropy, both[:, 1:]
 
     def forward_log_probs(
         self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False
@@ -198,8 +211,8 @@ class FSDPEngine:
             for index, micro in enumerate(micro_batches):
                 before(index)
                 moe: dict[str, Tensor] = {}
-                log_probs, entropy = self._log_probs(self.model, micro, "train", moe)
-                loss, pairs = loss_fn(index, log_probs, entropy)
+                log_probs, entropy, scored = self._log_probs(self.model, micro, "train", moe)
+                loss, pairs = loss_fn(index, log_probs, entropy, scored)
                 if moe:
                     aux = moe.pop("aux_loss")
                     if self.moe is not None and self.moe.aux_loss_coef:

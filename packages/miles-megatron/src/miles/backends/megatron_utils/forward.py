@@ -27,9 +27,10 @@ from miles.backends.megatron_utils.context_parallel import (
     local_positions,
     split_sequence,
 )
+from miles.backends.training_utils.data import token_rows
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.rollout_data import RolloutBatch
-from miles.backends.training_utils.train_engine import MicroBatchLoss
+from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS, MicroBatchLoss
 
 
 def pad_micro_batch(
@@ -50,6 +51,15 @@ def pad_micro_batch(
         targets.append(torch.as_tensor(tokens[start:], dtype=torch.long))  # (R,)
     position_ids = torch.arange(width).expand(len(lengths), width)  # (B, T)
     return input_ids, position_ids, positions, targets
+
+
+def scored_ids(micro: RolloutBatch) -> list[torch.Tensor] | None:
+    """Per sample the (R, K) token ids whose log-probs the loss also reads at each response
+    position (`SCORED_TOKEN_IDS`); None when the micro-batch has none."""
+    if SCORED_TOKEN_IDS not in micro:
+        return None
+    rows = token_rows(micro, SCORED_TOKEN_IDS, torch.long)  # (sum R, K)
+    return list(rows.split(list(micro["response_lengths"])))
 
 
 class MicroBatchForward:
@@ -85,17 +95,28 @@ class MicroBatchForward:
                 attention_mask=None,  # causal: right padding never reaches an earlier position
             )
 
+            # Each response position's target, then the K token ids it also scores, if any.
+            scored = scored_ids(micro)
+            if scored is not None:
+                targets = [
+                    torch.cat([t.unsqueeze(-1), ids], dim=-1)
+                    for t, ids in zip(targets, scored, strict=True)
+                ]  # (R, 1 + K) per sample
+
             def loss_func(output_tensor: torch.Tensor):
                 if self.cp_size > 1:
                     log_probs, entropy = self._split_response_log_probs(
-                        output_tensor, input_ids, positions
+                        output_tensor, input_ids, positions, targets
                     )
                 else:
                     log_probs, entropy = self._response_log_probs(output_tensor, positions, targets)
+                both = torch.cat(log_probs)  # (sum R,) or (sum R, 1 + K)
+                response = both if scored is None else both[:, 0]
                 if loss_fn is None:
-                    pieces = torch.cat(log_probs).detach().float().cpu()  # (sum R,)
+                    pieces = response.detach().float().cpu()  # (sum R,)
                     return output_tensor.sum() * 0.0, {"log_probs": pieces}
-                loss, metrics = loss_fn(index, torch.cat(log_probs), torch.cat(entropy))
+                extra = None if scored is None else both[:, 1:]
+                loss, metrics = loss_fn(index, response, torch.cat(entropy), extra)
                 # Megatron's schedule divides a loss by the number of micro-batches and
                 # multiplies it by the context-parallel size, expecting each rank's share; the
                 # step's loss is already normalized by global counts, and every
@@ -125,21 +146,36 @@ class MicroBatchForward:
         return log_probs, entropies
 
     def _split_response_log_probs(
-        self, logits: torch.Tensor, input_ids: torch.Tensor, positions: Sequence[torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`_response_log_probs` when `logits` [B, T / cp, V / tp] cover this context-parallel
         rank's slice of the padded `input_ids` [B, T]: log-probs of every local position's next
-        token, gathered over the context-parallel group, then each sample's response picked."""
+        token (and of the K token ids `targets` also score there), gathered over the
+        context-parallel group, then each sample's response picked."""
         full = gather_from_tensor_model_parallel_region(logits)[..., : self.vocab_size]
         rows, length = input_ids.shape
         here = local_positions(length, self.cp_rank, self.cp_size)
         next_ids = input_ids[:, (here + 1).clamp(max=length - 1)]  # (B, T / cp); last: padding
+        width = targets[0].shape[1] if targets and targets[0].dim() == 2 else 1
+        if width > 1:
+            # Every position's ids to score: its next token, then the K scored ids at response
+            # positions (the next token again elsewhere, where nothing reads them).
+            ids = input_ids[:, (torch.arange(length) + 1).clamp(max=length - 1)]
+            ids = ids.unsqueeze(-1).repeat(1, 1, width)  # (B, T, 1 + K)
+            for row, (pos, tgt) in enumerate(zip(positions, targets, strict=True)):
+                ids[row, pos] = tgt
+            next_ids = ids[:, here]  # (B, T / cp, 1 + K)
         log_probs, entropy = get_log_probs_and_entropy(
             full.reshape(-1, full.size(-1)),
-            next_ids.reshape(-1).to(full.device),
+            next_ids.reshape(rows * here.numel(), -1).squeeze(-1).to(full.device),
             temperature=self.temperature,
         )
-        log_probs = gather_sequence(log_probs.view(rows, -1), 1, self.cp_group)  # (B, T)
+        log_probs = gather_sequence(log_probs.view(rows, here.numel(), -1), 1, self.cp_group)
+        log_probs = log_probs.squeeze(-1)  # (B, T) or (B, T, 1 + K)
         entropy = gather_sequence(entropy.view(rows, -1), 1, self.cp_group)
         picked = [pos.to(full.device) for pos in positions]
         return (

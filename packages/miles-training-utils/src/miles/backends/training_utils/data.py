@@ -96,6 +96,28 @@ def _per_sample_tensor(column: list) -> torch.Tensor:
     return torch.tensor(column, dtype=torch.float32)
 
 
+def token_rows(micro: RolloutBatch, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """A column of K values per response token (the teacher's top tokens, say) as a
+    (sum of response lengths, K) tensor, samples concatenated in row order."""
+    if key not in micro:
+        raise KeyError(f"key {key!r} is not in the batch; it has {sorted(micro)}")
+    pieces = [torch.as_tensor(row, dtype=dtype) for row in micro[key]]
+    for i, (piece, n_resp) in enumerate(zip(pieces, micro["response_lengths"], strict=True)):
+        if piece.dim() != 2 and not (n_resp == 0 and piece.numel() == 0):
+            raise ValueError(f"{key!r} row {i} is not K values per response token")
+        if piece.shape[0] != n_resp:
+            raise ValueError(
+                f"{key!r} row {i} has {piece.shape[0]} positions for {n_resp} response tokens"
+            )
+    widths = {piece.shape[1] for piece in pieces if piece.dim() == 2}
+    if len(widths) > 1:
+        raise ValueError(f"{key!r} rows have different K: {sorted(widths)}")
+    width = widths.pop() if widths else 0
+    return (
+        torch.cat([piece.reshape(-1, width) for piece in pieces]) if pieces else torch.zeros(0, 0)
+    )
+
+
 def token_columns(micro: RolloutBatch, keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """Per-token columns of a micro-batch (one value per response token of every sample) as
     (sum of response lengths,) float32 tensors, samples concatenated in row order."""

@@ -2,9 +2,10 @@
 
 A teacher model scores the student's own samples token by token; the train step turns the
 per-token reverse KL `log p_student - log p_teacher` into a penalty on the advantages (upstream
-miles and slime) or into a loss term (`teacher_kl`). The rollout side reads the teacher's
-checkpoint and engine count, the train step the coefficient and the mode. No torch here: the
-driver reads this group with the rest of the configuration.
+miles and slime) or into a loss term (`teacher_kl`), or, in `topk` mode, fits the student to the
+teacher's top tokens at each position of those samples. The rollout side reads the teacher's
+checkpoint, engine count and top-k, the train step the coefficient and the mode. No torch here:
+the driver reads this group with the rest of the configuration.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _UPSTREAM_ONLY = {
     "self": "self-distillation with privileged context",
 }
 
-OpdKlMode = Literal["advantages", "loss"]
+OpdKlMode = Literal["advantages", "loss", "topk"]
+DEFAULT_OPD_TOP_K = 20
 
 
 @dataclass(kw_only=True)
@@ -45,8 +47,14 @@ class DistillationConfig:
     the reduced KL term)."""
     opd_kl_mode: OpdKlMode = "advantages"
     """--opd-kl-mode: advantages (upstream: the KL is subtracted from every token's advantage,
-    after the estimator, and goes through the policy loss and its clipping) or loss (an extra,
-    unclipped loss term whose gradient is the reverse KL's policy gradient)."""
+    after the estimator, and goes through the policy loss and its clipping), loss (an extra,
+    unclipped loss term whose gradient is the reverse KL's policy gradient) or topk (an extra
+    loss term: the forward KL from the teacher's --opd-top-k most likely tokens at each response
+    position, sum_j p_teacher(j) (log p_teacher(j) - log p_student(j)); dense, so it also teaches
+    a student whose samples the teacher rarely agrees with, such as a randomly initialised one)."""
+    opd_top_k: int = DEFAULT_OPD_TOP_K
+    """--opd-top-k: with --opd-kl-mode topk, how many of the teacher's most likely tokens it
+    returns per position (SGLang's top_logprobs_num) and the student is fitted to."""
     opd_teacher_num_engines: int = 1
     """--opd-teacher-num-engines: teacher engines, each in its own placement bundles."""
     opd_teacher_num_gpus_per_engine: int = 1
@@ -68,6 +76,18 @@ class DistillationConfig:
         if not self.use_opd:
             self._refuse_unused_settings()
             return
+        if isinstance(self.opd_top_k, bool) or not isinstance(self.opd_top_k, int):
+            raise ValueError(f"--opd-top-k ({self.opd_top_k!r}) must be an integer; pass e.g. 20")
+        if self.opd_kl_mode == "topk" and self.opd_top_k < 1:
+            raise ValueError(
+                f"--opd-top-k ({self.opd_top_k}) must be >= 1 with --opd-kl-mode topk: the "
+                "student is fitted to that many of the teacher's tokens per position; pass e.g. 20"
+            )
+        if self.opd_kl_mode != "topk" and self.opd_top_k != DEFAULT_OPD_TOP_K:
+            raise ValueError(
+                f"--opd-top-k ({self.opd_top_k}) is only read with --opd-kl-mode topk (now "
+                f"{self.opd_kl_mode}); add --opd-kl-mode topk or drop --opd-top-k"
+            )
         if not self.opd_kl_coef > 0:
             raise ValueError(
                 f"--opd-kl-coef ({self.opd_kl_coef}) must be > 0 with --use-opd: at 0 the "
@@ -91,6 +111,11 @@ class DistillationConfig:
     @property
     def kl_in_loss(self) -> bool:
         return self.use_opd and self.opd_kl_mode == "loss"
+
+    @property
+    def teacher_top_k(self) -> int:
+        """Teacher tokens scored per response position: --opd-top-k in topk mode, else 0."""
+        return self.opd_top_k if self.use_opd and self.opd_kl_mode == "topk" else 0
 
 
 def _existing_checkpoint(path: str | None) -> str:

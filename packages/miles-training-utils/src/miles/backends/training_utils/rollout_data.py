@@ -27,6 +27,9 @@ Keys made by `samples_to_rollout_batch`:
                        has them.
     teacher_log_probs  list[float] per sample, one per response token: the teacher's scores
                        (--use-opd); only when every sample has them.
+    teacher_top_ids, teacher_top_log_probs
+                       list[list] per sample, K per response token: the teacher's top tokens
+                       and their log-probs (--opd-kl-mode topk); only when every sample has them.
     routed_experts     str per sample: the engine's MoE routing (base64, SGLang's encoding);
                        only when every sample has it (--use-rollout-routing-replay).
     sample_indices     int: `Sample.index`, to map rows back to samples.
@@ -44,6 +47,8 @@ ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "raw_reward",
     "rollout_log_probs",
     "teacher_log_probs",
+    "teacher_top_ids",
+    "teacher_top_log_probs",
     "routed_experts",
     "sample_indices",
     "weight_versions",
@@ -98,6 +103,8 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
             "request log-probs (return_logprob) for every generation or for none",
         ),
         ("teacher_log_probs", "score every sample with the teacher (--use-opd) or none"),
+        ("teacher_top_ids", "score every sample's top tokens with the teacher or none"),
+        ("teacher_top_log_probs", "score every sample's top tokens with the teacher or none"),
         (
             "routed_experts",
             "ask every generation for its routed experts (return_routed_experts) or none",
@@ -105,11 +112,16 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
     ):
         values = [getattr(s, column) for s in samples]
         if samples and all(v is not None for v in values):
-            batch[column] = [v if isinstance(v, str) else list(v) for v in values]
+            batch[column] = [v if isinstance(v, str) else _copy(v) for v in values]
         elif any(v is not None for v in values):
             missing = [s.index for s, v in zip(samples, values, strict=True) if v is None]
             raise ValueError(f"samples {missing[:8]} have no {column} while others do; {hint}")
     return batch
+
+
+def _copy(values: list) -> list:
+    """A copy of a per-token list, rows of lists (the teacher's top tokens) copied too."""
+    return [list(v) if isinstance(v, list | tuple) else v for v in values]
 
 
 def _raw_reward(sample: Sample) -> float:

@@ -63,6 +63,11 @@ class Sample:
     teacher_log_probs: list[float] | None = None
     """Log-probability a teacher model gives each response token (on-policy distillation,
     --use-opd); None without a teacher."""
+    teacher_top_ids: list[list[int]] | None = None
+    """The teacher's K likeliest tokens at each response position, likeliest first
+    (--opd-kl-mode topk); None otherwise."""
+    teacher_top_log_probs: list[list[float]] | None = None
+    """The teacher's log-probs of `teacher_top_ids`, position by position."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data for custom rollout and reward functions."""
     messages: list[dict[str, Any]] | None = None
@@ -100,10 +105,29 @@ class Sample:
         self._check_per_token("rollout_log_probs", self.rollout_log_probs)
         self._check_per_token("loss_mask", self.loss_mask)
         self._check_per_token("teacher_log_probs", self.teacher_log_probs)
+        self._check_teacher_top()
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(
                 f"sample {self.index}: loss_mask must hold only 0 and 1, got "
                 f"{sorted(set(self.loss_mask))}"
+            )
+
+    def _check_teacher_top(self) -> None:
+        ids, log_probs = self.teacher_top_ids, self.teacher_top_log_probs
+        if (ids is None) != (log_probs is None):
+            raise ValueError(
+                f"sample {self.index}: teacher_top_ids and teacher_top_log_probs come together "
+                "(the teacher's top tokens and their log-probs); set both or neither"
+            )
+        if ids is None or log_probs is None:
+            return
+        self._check_per_token("teacher_top_ids", ids)
+        self._check_per_token("teacher_top_log_probs", log_probs)
+        widths = {len(row) for row in ids} | {len(row) for row in log_probs}
+        if len(widths) > 1 or 0 in widths:
+            raise ValueError(
+                f"sample {self.index}: teacher_top_ids and teacher_top_log_probs need the same "
+                f"number (K >= 1) of tokens at every response position, got {sorted(widths)}"
             )
 
     def _check_per_token(self, name: str, values: list[Any] | None) -> None:

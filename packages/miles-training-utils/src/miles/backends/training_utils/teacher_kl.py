@@ -1,4 +1,4 @@
-"""The teacher KL of on-policy distillation, per token, and the two ways it enters training.
+"""The teacher KL of on-policy distillation, per token, and the ways it enters training.
 
 On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; the
 Thinking Machines recipe that upstream miles and slime follow): the student samples y ~ p_student
@@ -10,6 +10,14 @@ KL is a fixed number per token, as a reward is:
 - advantages (upstream): A_t <- A_t - coef * KL_t, after the estimator, on trainable tokens;
 - loss: + coef * reduce(r_t * KL_t) with r_t = exp(log p - log p_old), whose value is the KL at
   the step's start and whose gradient, E[KL_t * grad log p(y_t)], is the reverse KL's.
+
+Both learn only from the tokens the student sampled, so a student whose samples the teacher
+never agrees with (a randomly initialised one) gets almost no signal. The third way is dense:
+
+- topk: + coef * reduce(sum_j p_T(j) (log p_T(j) - log p_S(j))) over the teacher's K likeliest
+  tokens j at each position of the student's samples: the forward KL from the teacher's top-K
+  (the supervised distillation of GKD, Agarwal et al. 2024, on the student's own prefixes),
+  whose gradient moves the student's mass onto the teacher's tokens whatever it sampled.
 """
 
 from __future__ import annotations
@@ -56,3 +64,15 @@ def kl_loss_per_token(
     kl = reverse_kl(old_log_probs, teacher_log_probs).detach()
     ratio = torch.exp(log_probs - old_log_probs.detach())
     return ratio * kl
+
+
+def topk_forward_kl(student_top_log_probs: Tensor, teacher_top_log_probs: Tensor) -> Tensor:
+    """(T,) `sum_j p_T(j) (log p_T(j) - log p_S(j))` over the teacher's K tokens j of each
+    position, from (T, K) log-probs of the same ids; gradients flow through the student's."""
+    if student_top_log_probs.shape != teacher_top_log_probs.shape:
+        raise ValueError(
+            f"student log-probs {tuple(student_top_log_probs.shape)} of the teacher's top tokens "
+            f"and the teacher's {tuple(teacher_top_log_probs.shape)} must cover the same tokens"
+        )
+    teacher = teacher_top_log_probs.to(student_top_log_probs.dtype)
+    return (teacher.exp() * (teacher - student_top_log_probs)).sum(-1)

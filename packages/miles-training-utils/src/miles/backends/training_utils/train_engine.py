@@ -23,12 +23,19 @@ from torch import Tensor
 
 from miles.backends.training_utils.rollout_data import RolloutBatch
 
-MicroBatchLoss = Callable[[int, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
-"""(micro-batch index, log_probs (sum R,), entropy (sum R,)) -> (loss, metric pairs).
+MicroBatchLoss = Callable[[int, Tensor, Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
+"""(micro-batch index, log_probs (sum R,), entropy (sum R,), scored (sum R, K) or None) ->
+(loss, metric pairs).
 
 `log_probs` and `entropy` cover the micro-batch's response tokens, samples concatenated, with
-gradients. The engine backpropagates `loss` as it is (plus whatever scaling its own schedule
-needs, which it undoes itself)."""
+gradients. When the micro-batch holds the column `SCORED_TOKEN_IDS` (K token ids per response
+token), `scored` is the log-probs of those ids at each response position, under the same
+distribution and with gradients; else None. The engine backpropagates `loss` as it is (plus
+whatever scaling its own schedule needs, which it undoes itself)."""
+
+SCORED_TOKEN_IDS = "teacher_top_ids"
+"""The micro-batch column of token ids (per sample (R, K)) whose log-probs an engine also
+computes at every response position: the teacher's top tokens of --opd-kl-mode topk."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.backends.training_utils.algorithms import Algorithm, compute_advantages_and_returns
-from miles.backends.training_utils.data import DataIterator, get_data_iterator, token_columns
+from miles.backends.training_utils.data import (
+    DataIterator,
+    get_data_iterator,
+    token_columns,
+    token_rows,
+)
 from miles.backends.training_utils.device import collective_device
 from miles.backends.training_utils.distillation import DistillationConfig
 from miles.backends.training_utils.log_utils import (
@@ -33,8 +38,9 @@ from miles.backends.training_utils.teacher_kl import (
     kl_loss_per_token,
     penalize_advantages,
     reverse_kl,
+    topk_forward_kl,
 )
-from miles.backends.training_utils.train_engine import TrainEngine
+from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS, TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +188,15 @@ class PolicyTrainer:
                 "'teacher_log_probs': the rollout manager scores every sample with the teacher "
                 "engines; a custom path that builds train data must keep Sample.teacher_log_probs"
             )
+        if self.distillation is not None and self.distillation.teacher_top_k:
+            missing = {SCORED_TOKEN_IDS, "teacher_top_log_probs"} - batch.keys()
+            if missing:
+                raise ValueError(
+                    f"--opd-kl-mode topk trains on the teacher's top tokens, but the batch has no "
+                    f"{sorted(missing)}: the rollout manager asks the teacher engines for them; a "
+                    "custom path that builds train data must keep Sample.teacher_top_ids and "
+                    "teacher_top_log_probs"
+                )
         if "advantages" in inputs:
             compute_advantages_and_returns(batch, self.config, group=self.engine.dp_group)
             if self.distillation is not None and self.distillation.kl_in_advantages:
@@ -215,7 +230,7 @@ class PolicyTrainer:
             columns.append("teacher_log_probs")
         compute_loss, config = self.algorithm.loss.loss_function, self.config
 
-        def loss_fn(index: int, log_probs: Tensor, entropy: Tensor):
+        def loss_fn(index: int, log_probs: Tensor, entropy: Tensor, scored: Tensor | None):
             micro = micro_batches[index]
             tensors = token_columns(micro, ["loss_masks", *columns])
             inputs: dict[str, Any] = {
@@ -233,6 +248,8 @@ class PolicyTrainer:
             if self.distillation is not None:
                 teacher = tensors["teacher_log_probs"].to(log_probs.device)
                 loss = loss + self._teacher_kl_term(inputs, teacher, normalizer, metrics)
+            if self.distillation is not None and self.distillation.teacher_top_k:
+                loss = loss + self._topk_term(inputs, micro, scored, normalizer, metrics)
             # Each micro-batch's loss carries reduce_loss's x dp factor; weighted 1 / (micro-
             # batches per rank), the weights over every rank add up to dp, so the mean is the
             # global batch's loss.
@@ -262,6 +279,32 @@ class PolicyTrainer:
         if not self.distillation.kl_in_loss:
             return torch.zeros((), dtype=inputs["log_probs"].dtype, device=mask.device)
         per_token = kl_loss_per_token(inputs["log_probs"], old, teacher)  # (T,)
+        term = reduce_loss(
+            per_token, mask.to(per_token.dtype), list(inputs["response_lengths"]),
+            config=self.config, normalizer=normalizer,
+        )  # fmt: skip
+        return self.distillation.opd_kl_coef * term
+
+    def _topk_term(
+        self,
+        inputs: dict[str, Any],
+        micro: RolloutBatch,
+        scored: Tensor | None,
+        normalizer: LossNormalizer,
+        metrics: dict,
+    ) -> Tensor:
+        """The topk-mode loss term, coef x the reduced forward KL from the teacher's top tokens;
+        reports it per trainable token as `opd_topk_kl`."""
+        assert self.distillation is not None
+        if scored is None:
+            raise RuntimeError(
+                f"--opd-kl-mode topk needs the log-probs of the micro-batch's {SCORED_TOKEN_IDS} "
+                "from the train engine, which passed none (a backend bug)"
+            )
+        mask = inputs["loss_mask"]
+        teacher = token_rows(micro, "teacher_top_log_probs", torch.float32).to(scored.device)
+        per_token = topk_forward_kl(scored, teacher)  # (T,)
+        metrics["opd_topk_kl"] = token_weighted(per_token.detach(), mask)
         term = reduce_loss(
             per_token, mask.to(per_token.dtype), list(inputs["response_lengths"]),
             config=self.config, normalizer=normalizer,
