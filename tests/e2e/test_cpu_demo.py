@@ -107,50 +107,42 @@ def distill(student_start: Path, out: Path, distillation, *flags: str) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_the_demos_random_base_model_distilled_with_the_top_k_kl_gets_closer_to_the_teacher(
-    demo, distillation, tmp_path
-):
-    out, _, _ = demo
-    got = distill(
-        out / "base", tmp_path / "student", distillation,
-        "--num-rollout", "40", "--eval-interval", "20", "--lr", "0.005",
-        "--opd-kl-mode", "topk", "--opd-top-k", "20",
-    )  # fmt: skip
-    heldout = got["heldout"]
-    print(
-        f"teacher (the demo's GRPO model): held-out reward {got['teacher']:.3f}; student (the "
-        f"demo's random base model, topk): teacher KL per token {got['first']:.3f} -> "
-        f"{got['last']:.3f}, held-out reward {heldout[0]:.3f} -> {heldout[-1]:.3f}; "
-        f"{got['seconds']:.0f} s"
-    )
-    # Measured: KL 5.95 -> 1.1, held-out 0 -> 0.38 (teacher 0.78). Upstream's sampled-token KL
-    # left this student where it was (5.95 -> 6.5, held-out 0; docs/guides/on-policy-distillation.md).
-    assert len(got["kl"]) == 40, "every rollout reports the teacher KL"
-    assert got["last"] < 0.5 * got["first"], f"the teacher KL went {got['first']} -> {got['last']}"
-    assert heldout[-1] - heldout[0] >= 0.15, f"the held-out reward went {heldout}"
-    assert abs(got["teacher"] - heldout[-1]) < abs(got["teacher"] - heldout[0])
+# (student, its start in the demo's output, the flags of its run, rollouts, the least rise of its
+# held-out reward). Measured: the random base model with topk, KL 6.0 -> 1.1 and held-out
+# 0 -> 0.39 (teacher 0.68); upstream's sampled-token KL left it where it was (KL 5.95 -> 6.5,
+# held-out 0; docs/guides/on-policy-distillation.md). The SFT warm-up with upstream's KL in the
+# advantages, KL 1.7 -> 0.10 and held-out 0.28 -> 0.56.
+STUDENTS = {
+    "random-base-topk": (
+        "base",
+        ["--lr", "0.005", "--opd-kl-mode", "topk", "--opd-top-k", "20"],
+        40,
+        0.15,
+    ),
+    "sft-warm-up-upstream-kl": ("sft_hf", [], 20, 0.2),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_the_demos_sft_model_distilled_with_upstreams_kl_gets_closer_to_the_teacher(
-    demo, distillation, tmp_path
+@pytest.mark.parametrize("student", sorted(STUDENTS))
+def test_a_student_of_the_demos_model_distilled_from_its_grpo_model_gets_closer_to_it(
+    demo, distillation, tmp_path, student
 ):
     out, _, _ = demo
+    start, flags, rollouts, min_rise = STUDENTS[student]
     got = distill(
-        out / "sft_hf", tmp_path / "student", distillation,
-        "--num-rollout", "20", "--eval-interval", "10",
+        out / start, tmp_path / "student", distillation,
+        "--num-rollout", str(rollouts), "--eval-interval", str(rollouts // 2), *flags,
     )  # fmt: skip
     heldout = got["heldout"]
     print(
-        f"teacher (the demo's GRPO model): held-out reward {got['teacher']:.3f}; student (its "
-        f"SFT warm-up): teacher KL per token {got['first']:.3f} -> {got['last']:.3f}, held-out "
+        f"teacher (the demo's GRPO model): held-out reward {got['teacher']:.3f}; student "
+        f"{student}: teacher KL per token {got['first']:.3f} -> {got['last']:.3f}, held-out "
         f"reward {heldout[0]:.3f} -> {heldout[-1]:.3f}; {got['seconds']:.0f} s"
     )
-    assert len(got["kl"]) == 20, "every rollout reports the teacher KL"
+    assert len(got["kl"]) == rollouts, "every rollout reports the teacher KL"
     assert got["last"] < 0.5 * got["first"], f"the teacher KL went {got['first']} -> {got['last']}"
-    assert heldout[-1] - heldout[0] >= 0.2, f"the held-out reward went {heldout}"
+    assert heldout[-1] - heldout[0] >= min_rise, f"the held-out reward went {heldout}"
     # Closer to the teacher than it started.
     assert abs(got["teacher"] - heldout[-1]) < abs(got["teacher"] - heldout[0])

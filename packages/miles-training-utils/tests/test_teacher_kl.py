@@ -104,6 +104,25 @@ def with_teacher(data: dict, seed: int = 1) -> dict:
     return data
 
 
+def policy_loss_reference(data: dict, log_probs, entropy):
+    """The step's policy loss over the whole batch in float64 (one optimizer step: the old policy
+    is the policy, the advantages are the rewards), with what the OPD terms reduce with:
+    (loss, mask, config, normalizer)."""
+    mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
+    advantages = torch.cat(
+        [torch.full((n,), float(r), dtype=torch.float64)
+         for n, r in zip(data["response_lengths"], data["rewards"], strict=True)]
+    )  # fmt: skip
+    config, normalizer = LossConfig(), LossNormalizer(num_samples=8, num_tokens=int(mask.sum()))
+    inputs = {
+        "log_probs": log_probs, "entropy": entropy, "loss_mask": mask,
+        "old_log_probs": log_probs.detach(), "advantages": advantages,
+        "response_lengths": data["response_lengths"],
+    }  # fmt: skip
+    loss, _ = policy_loss(inputs, config, normalizer)
+    return loss, mask, config, normalizer
+
+
 def test_advantages_mode_subtracts_the_kl_from_the_estimators_advantages(teacher_dir):
     data = with_teacher(batch(masked=True))
     opd = DistillationConfig(use_opd=True, opd_kl_coef=0.5, opd_teacher_checkpoint=teacher_dir)
@@ -132,19 +151,9 @@ def test_loss_mode_adds_the_reduced_kl_term_to_the_loss_gradient(teacher_dir):
     # Reference: the whole batch in one float64 forward: policy loss + 0.3 x reduced KL term.
     reference = BigramEngine(dtype=torch.float64)
     log_probs, entropy, _ = reference._log_probs(reference.model, data)
-    mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
     teacher = torch.tensor([t for ts in data["teacher_log_probs"] for t in ts], dtype=torch.float64)
     old = log_probs.detach()
-    advantages = torch.cat(
-        [torch.full((n,), float(r), dtype=torch.float64)
-         for n, r in zip(data["response_lengths"], data["rewards"], strict=True)]
-    )  # fmt: skip
-    config, normalizer = LossConfig(), LossNormalizer(num_samples=8, num_tokens=int(mask.sum()))
-    inputs = {
-        "log_probs": log_probs, "entropy": entropy, "loss_mask": mask, "old_log_probs": old,
-        "advantages": advantages, "response_lengths": data["response_lengths"],
-    }  # fmt: skip
-    loss, _ = policy_loss(inputs, config, normalizer)
+    loss, mask, config, normalizer = policy_loss_reference(data, log_probs, entropy)
     term = reduce_loss(
         kl_loss_per_token(log_probs, old, teacher), mask, data["response_lengths"],
         config=config, normalizer=normalizer,
@@ -188,18 +197,9 @@ def test_topk_mode_adds_the_forward_kl_from_the_teachers_top_tokens_to_the_loss(
     teacher = torch.tensor(
         [r for rs in data["teacher_top_log_probs"] for r in rs], dtype=torch.float64
     )
-    mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
-    advantages = torch.cat(
-        [torch.full((n,), float(r), dtype=torch.float64)
-         for n, r in zip(data["response_lengths"], data["rewards"], strict=True)]
-    )  # fmt: skip
-    config, normalizer = LossConfig(), LossNormalizer(num_samples=8, num_tokens=int(mask.sum()))
-    inputs = {
-        "log_probs": log_probs, "entropy": torch.zeros_like(log_probs), "loss_mask": mask,
-        "old_log_probs": log_probs.detach(), "advantages": advantages,
-        "response_lengths": data["response_lengths"],
-    }  # fmt: skip
-    loss, _ = policy_loss(inputs, config, normalizer)
+    loss, mask, config, normalizer = policy_loss_reference(
+        data, log_probs, torch.zeros_like(log_probs)
+    )
     kl = (teacher.exp() * (teacher - scored)).sum(-1)  # (T,)
     term = reduce_loss(kl, mask, data["response_lengths"], config=config, normalizer=normalizer)
     (loss + 0.7 * term).backward()
