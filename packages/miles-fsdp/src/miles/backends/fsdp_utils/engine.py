@@ -173,18 +173,16 @@ class FSDPEngine:
             )  # (T, V)
         positions = response_positions(packed).to(self.device)  # (sum R,)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
-        if SCORED_TOKEN_IDS not in micro:
-            log_probs, entropy = get_log_probs_and_entropy(
-                logits[positions], targets, temperature=self.temperature
-            )
-            return log_probs, entropy, None
-        scored_ids = token_rows(micro, SCORED_TOKEN_IDS, torch.long).to(self.device)  # (sum R, K)
-        both, entropy = get_log_probs_and_entropy(
-            logits[positions],
-            torch.cat([targets.unsqueeze(-1), scored_ids], dim=-1),  # (sum R, 1 + K)
-            temperature=self.temperature,
+        scored = SCORED_TOKEN_IDS in micro
+        if scored:  # (sum R, 1 + K): each target, then the K ids also scored there
+            ids = token_rows(micro, SCORED_TOKEN_IDS, torch.long).to(self.device)
+            targets = torch.cat([targets.unsqueeze(-1), ids], dim=-1)
+        log_probs, entropy = get_log_probs_and_entropy(
+            logits[positions], targets, temperature=self.temperature
         )
-        return both[:, 0], entropy, both[:, 1:]
+        if not scored:
+            return log_probs, entropy, None
+        return log_probs[:, 0], entropy, log_probs[:, 1:]
 
     def forward_log_probs(
         self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False

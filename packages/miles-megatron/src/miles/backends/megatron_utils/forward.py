@@ -159,16 +159,14 @@ class MicroBatchForward:
         full = gather_from_tensor_model_parallel_region(logits)[..., : self.vocab_size]
         rows, length = input_ids.shape
         here = local_positions(length, self.cp_rank, self.cp_size)
-        next_ids = input_ids[:, (here + 1).clamp(max=length - 1)]  # (B, T / cp); last: padding
-        width = targets[0].shape[1] if targets and targets[0].dim() == 2 else 1
-        if width > 1:
-            # Every position's ids to score: its next token, then the K scored ids at response
-            # positions (the next token again elsewhere, where nothing reads them).
-            ids = input_ids[:, (torch.arange(length) + 1).clamp(max=length - 1)]
-            ids = ids.unsqueeze(-1).repeat(1, 1, width)  # (B, T, 1 + K)
+        # Every position's next token (the last one's: padding), then at response positions the
+        # K ids also scored there, if any (the next token again elsewhere, where nothing reads).
+        ids = input_ids[:, (torch.arange(length) + 1).clamp(max=length - 1)]  # (B, T)
+        if targets and targets[0].dim() == 2:
+            ids = ids.unsqueeze(-1).repeat(1, 1, targets[0].shape[1])  # (B, T, 1 + K)
             for row, (pos, tgt) in enumerate(zip(positions, targets, strict=True)):
                 ids[row, pos] = tgt
-            next_ids = ids[:, here]  # (B, T / cp, 1 + K)
+        next_ids = ids[:, here]  # (B, T / cp) or (B, T / cp, 1 + K)
         log_probs, entropy = get_log_probs_and_entropy(
             full.reshape(-1, full.size(-1)),
             next_ids.reshape(rows * here.numel(), -1).squeeze(-1).to(full.device),
