@@ -3,18 +3,19 @@ GRPO group's samples) is prefilled once, and every copy continues exactly as if 
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.sglang_utils.reference_engine.model_runner import (
-    ModelRunner,
-    _append,
+from miles.backends.sglang_utils.reference_engine.batch_cache import (
+    append_kv,
     merge_states,
     select_rows,
 )
+from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request, Scheduler
 
@@ -81,19 +82,52 @@ def test_a_group_admitted_together_reports_its_shared_prompt_as_cached_tokens(ru
         scheduler.shutdown()
 
 
-def test_a_continuous_batch_decodes_each_row_as_its_own_full_forward_in_float64(tiny_checkpoint):
+def _float64_model(name: str, tiny_checkpoint) -> torch.nn.Module:
+    """A float64 model with stock "sdpa" of each architecture the fast decode path covers (Qwen3
+    with q/k norms, Qwen2 with q/k/v biases, Llama with llama3 rope scaling and an MLP bias)."""
+    if name == "qwen3":
+        return AutoModelForCausalLM.from_pretrained(
+            tiny_checkpoint, dtype=torch.float64, attn_implementation="sdpa"
+        )
+    import transformers
+
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    if name == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    else:
+        config = transformers.LlamaConfig(
+            **common, mlp_bias=True, head_dim=8,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32},
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # nonzero biases, so a dropped bias cannot pass
+        for name_, param in model.named_parameters():
+            if name_.endswith("bias"):
+                param.normal_(std=0.1)
+    return model.to(torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fast_decode"),
+    [("qwen3", False), ("qwen3", True), ("qwen2", True), ("llama", True)],
+)
+def test_a_continuous_batch_decodes_each_row_as_its_own_full_forward_in_float64(
+    tiny_checkpoint, architecture, fast_decode
+):
     # The running batch: left padding, grouped KV heads without copies, KV appended in place
     # (past the first buffer's room), a row leaving and a row joining midway. Each row's logits
     # must equal a full forward over that row's tokens alone, without a cache or padding (with
-    # stock "sdpa": "eager" takes its softmax in float32).
-    runner = ModelRunner(
-        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64),
-        torch.device("cpu"),
-    )
-    reference = AutoModelForCausalLM.from_pretrained(
-        tiny_checkpoint, dtype=torch.float64, attn_implementation="sdpa"
-    ).eval()
+    # stock "sdpa": "eager" takes its softmax in float32), on the HF forward and the fast path.
+    reference = _float64_model(architecture, tiny_checkpoint).eval()
+    runner = ModelRunner(copy.deepcopy(reference), torch.device("cpu"), fast_decode=fast_decode)
     assert runner.model.config._attn_implementation == "miles_grouped_sdpa"
+    assert (runner.decoder is not None) == fast_decode
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
@@ -109,7 +143,7 @@ def test_a_continuous_batch_decodes_each_row_as_its_own_full_forward_in_float64(
     rows = [tokens(3), tokens(9), tokens(5)]
     logits, state = runner.prefill(rows)
     check(logits, rows)
-    for step in range(50):
+    for step in range(40):
         if step == 10:  # the middle row finishes
             rows.pop(1)
             state = select_rows(state, [0, 2])
@@ -124,10 +158,66 @@ def test_a_continuous_batch_decodes_each_row_as_its_own_full_forward_in_float64(
         check(logits, rows)
 
 
+def test_the_fast_decode_path_reads_weights_updated_after_it_was_built(tiny_checkpoint):
+    # Weight sync copies into the parameters or replaces them; the next step must use them.
+    reference = _float64_model("qwen3", tiny_checkpoint).eval()
+    runner = ModelRunner(copy.deepcopy(reference), torch.device("cpu"))
+    with torch.no_grad():
+        for model in (reference, runner.model):
+            model.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+            attention = model.model.layers[1].self_attn
+            attention.o_proj.weight = torch.nn.Parameter(attention.o_proj.weight.flip(0))
+        _, state = runner.prefill([[1, 2, 3], [4, 5]])
+        logits, _ = runner.decode(state, [6, 7])
+        for row, sequence in enumerate([[1, 2, 3, 6], [4, 5, 7]]):
+            expected = reference(input_ids=torch.tensor([sequence])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("variant", "reason"),
+    [
+        ("moe", "has no fast decode path"),
+        ("recorded", "routed experts are recorded"),
+        ("hooked", "forward hooks on"),
+        ("sliding", "windowed attention"),
+        ("off", "turned off"),
+    ],
+)
+def test_models_the_fast_path_does_not_reproduce_keep_the_hf_forward(variant, reason, caplog):
+    import transformers
+
+    from miles.backends.sglang_utils.tiny_checkpoint import tiny_qwen3_config, tiny_qwen3_moe_config
+
+    if variant in ("moe", "recorded"):
+        config = tiny_qwen3_moe_config()
+    elif variant == "sliding":
+        config = transformers.Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+            sliding_window=16, max_window_layers=1,
+        )  # fmt: skip
+    else:
+        config = tiny_qwen3_config()
+    model = AutoModelForCausalLM.from_config(config)
+    if variant == "hooked":
+        model.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    with caplog.at_level("INFO", logger="miles.backends.sglang_utils.reference_engine"):
+        runner = ModelRunner(
+            model, torch.device("cpu"), record_routed_experts=variant == "recorded",
+            fast_decode=variant != "off",
+        )  # fmt: skip
+    assert runner.decoder is None
+    assert "HF forward" in caplog.text and reason in caplog.text
+    _, state = runner.prefill([[1, 2, 3]])
+    logits, _ = runner.decode(state, [4])  # the HF forward still decodes
+    assert logits.shape == (1, config.vocab_size)
+
+
 def test_a_decode_step_appends_in_place_while_its_buffer_has_room():
     cached = torch.randn(2, 3, 4, 5)
-    first = _append(cached, torch.randn(2, 3, 1, 5))  # a new buffer with room
-    second = _append(first, torch.randn(2, 3, 1, 5))
+    first = append_kv(cached, torch.randn(2, 3, 1, 5))  # a new buffer with room
+    second = append_kv(first, torch.randn(2, 3, 1, 5))
     assert second.data_ptr() == first.data_ptr() and second.shape == (2, 3, 6, 5)
     torch.testing.assert_close(second[:, :, :4], cached)
     torch.testing.assert_close(second[:, :, 4], first[:, :, 4])

@@ -1,16 +1,11 @@
-"""A Hugging Face causal LM run as prefill and decode steps over a running batch.
-
-The running batch keeps one left-padded KV cache per layer, (B, kv_heads, L, head_dim), and an
-attention mask marking real positions. Requests join between decode steps (their prefill cache is
-padded to the batch's length and concatenated) and leave the same way (their rows are dropped and
-all-padding columns trimmed), which is what makes the batching continuous.
-"""
+"""A Hugging Face causal LM run as prefill and decode steps over a running batch (its KV cache:
+`batch_cache`). Decode steps of dense Llama-layout models skip the HF forward (`fast_decode`)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+import logging
 
 import torch
 from torch import Tensor
@@ -18,61 +13,15 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from miles.backends.sglang_utils.reference_engine.attention import use_grouped_sdpa
+from miles.backends.sglang_utils.reference_engine.batch_cache import (
+    BatchState,
+    append_kv,
+    gather_rows,
+)
+from miles.backends.sglang_utils.reference_engine.fast_decode import DenseDecoder
 from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
 
-
-@dataclass
-class BatchState:
-    """KV tensors per layer, (B, H, L, D), and the (B, L) mask of real (1) vs padding (0)."""
-
-    keys: list[Tensor]
-    values: list[Tensor]
-    mask: Tensor
-
-    @property
-    def size(self) -> int:
-        return self.mask.shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-
-def _left_pad(t: Tensor, target: int, dim: int) -> Tensor:
-    missing = target - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _append(cached: Tensor, new: Tensor) -> Tensor:
-    """`cached` (B, H, L, D) followed by `new` (B, H, n, D) along the sequence.
-
-    Written in place when `cached` is the front of a buffer with room (its strides say how much:
-    a buffer of C positions has stride C * D on the head dim), else into a new buffer with room
-    for the next steps: a decode step then copies one token per row, not the whole cache.
-    """
-    batch, heads, length, dim = cached.shape
-    grown = length + new.shape[2]
-    capacity = cached.stride(1) // dim if cached.stride(2) == dim and cached.stride(3) == 1 else 0
-    if not (
-        capacity >= grown
-        and cached.stride(0) == heads * capacity * dim
-        and cached.storage_offset() == 0
-    ):
-        room = max(_MIN_ROOM, length // 2)  # amortized: one whole copy per length/2 steps
-        buffer = cached.new_empty(batch, heads, grown + room, dim)
-        buffer[:, :, :length] = cached
-        cached = buffer[:, :, :length]
-    out = cached.as_strided((batch, heads, grown, dim), cached.stride())
-    out[:, :, length:] = new
-    return out
-
-
-# Positions a grown KV buffer keeps free at least (a few decode steps' worth).
-_MIN_ROOM = 32
+logger = logging.getLogger(__name__)
 
 
 class _AppendingLayer(DynamicLayer):
@@ -84,26 +33,9 @@ class _AppendingLayer(DynamicLayer):
         self.keys, self.values = keys, values
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        self.keys = _append(self.keys, key_states)
-        self.values = _append(self.values, value_states)
+        self.keys = append_kv(self.keys, key_states)
+        self.values = append_kv(self.values, value_states)
         return self.keys, self.values
-
-
-def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
-    """Rows of `a` followed by rows of `b`, both left-padded to the longer length."""
-    if a is None or a.size == 0:
-        return b
-    length = max(a.length, b.length)
-    keys = [
-        torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
-        for x, y in zip(a.keys, b.keys, strict=True)
-    ]
-    values = [
-        torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
-        for x, y in zip(a.values, b.values, strict=True)
-    ]
-    mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)])
-    return BatchState(keys, values, mask)
 
 
 def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -111,28 +43,6 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     first_row: dict[tuple[int, ...], int] = {}
     rows = [first_row.setdefault(tuple(prompt), len(first_row)) for prompt in prompts]
     return [list(prompt) for prompt in first_row], rows
-
-
-def gather_rows(logits: Tensor, state: BatchState, rows: list[int]) -> tuple[Tensor, BatchState]:
-    """Rows `rows` of a prefill's logits and state (a row may repeat)."""
-    index = torch.tensor(rows, device=state.mask.device)
-    keys = [k.index_select(0, index) for k in state.keys]
-    values = [v.index_select(0, index) for v in state.values]
-    return logits.index_select(0, index), BatchState(
-        keys, values, state.mask.index_select(0, index)
-    )
-
-
-def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
-    """Keep `rows` (in order) and trim leading columns that are padding in every kept row."""
-    if not rows:
-        return None
-    index = torch.tensor(rows, device=state.mask.device)
-    mask = state.mask.index_select(0, index)
-    first_real = int(mask.any(0).nonzero()[0, 0]) if mask.any() else mask.shape[1]
-    keys = [k.index_select(0, index)[:, :, first_real:] for k in state.keys]
-    values = [v.index_select(0, index)[:, :, first_real:] for v in state.values]
-    return BatchState(keys, values, mask[:, first_real:])
 
 
 def check_kv_only(model: torch.nn.Module) -> None:
@@ -153,8 +63,15 @@ class ModelRunner:
     """Prefill and decode for one model on one device, with no autograd."""
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, *, record_routed_experts: bool = False
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        *,
+        record_routed_experts: bool = False,
+        fast_decode: bool = True,
     ) -> None:
+        """`fast_decode`: run decode steps through `DenseDecoder` where the model allows it
+        (False: always the HF forward, as for checks against it)."""
         check_kv_only(model)
         self.model = model.eval().to(device)
         self.device = device
@@ -170,6 +87,11 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.prefilled_tokens = 0
         """Prompt tokens run through the model (shared prompts count once)."""
+        self.decoder: DenseDecoder | None = None
+        why = "turned off" if not fast_decode else "routed experts are recorded by the HF forward"
+        if fast_decode and self.recorder is None:
+            self.decoder, why = DenseDecoder.for_model(self.model)
+        logger.info("decode steps: %s", "fast path" if self.decoder else f"HF forward ({why})")
 
     def _forward(
         self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache
@@ -240,15 +162,20 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:
         """Feed one new token per row; logits (B, V) for the next token and the grown state."""
+        positions = state.mask.sum(-1)  # (B,): the next real position per row
+        mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
+        input_ids = torch.tensor(tokens, device=self.device)  # (B,)
+        if self.decoder is not None:
+            logits, keys, values = self.decoder.step(
+                input_ids, positions, mask, state.keys, state.values
+            )
+            return logits, BatchState(keys, values, mask)
         cache = DynamicCache()
         cache.layers = [
             _AppendingLayer(k, v) for k, v in zip(state.keys, state.values, strict=True)
         ]
-        positions = state.mask.sum(-1, keepdim=True)  # (B, 1): the next real position per row
-        mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
-        input_ids = torch.tensor(tokens, device=self.device).unsqueeze(-1)  # (B, 1)
         with self._recording(len(tokens), 1) as routed:
-            logits = self._forward(input_ids, mask, positions, cache)
+            logits = self._forward(input_ids[:, None], mask, positions[:, None], cache)
         if routed:
             self.decode_routed = routed[0][:, 0]  # (B, layers, top_k)
         return logits[:, -1, :], self._state_from(cache, mask)

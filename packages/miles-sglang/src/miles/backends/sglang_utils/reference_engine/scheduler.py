@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
-from miles.backends.sglang_utils.reference_engine.model_runner import (
+from miles.backends.sglang_utils.reference_engine.batch_cache import (
     BatchState,
-    ModelRunner,
-    distinct_prompts,
     merge_states,
     select_rows,
+)
+from miles.backends.sglang_utils.reference_engine.model_runner import (
+    ModelRunner,
+    distinct_prompts,
 )
 from miles.backends.sglang_utils.reference_engine.prompt_logprobs import (
     PromptLogprobs,
