@@ -7,14 +7,17 @@ rank, put in the Ray object store. It also evaluates, offloads/onloads engines, 
 data-source state, and `dispose()` stops every process it started.
 
 Start-up order: `start_engines` launches the engine processes first, and while they load their
-model `load_data` reads the tokenizer and the prompts. The heavy imports (transformers, torch) are
-made there, not at the top of this module, so the engines' launch waits for none of them.
+model `load_data` reads the tokenizer and the prompts. No heavy import is made at the top of this
+module, so the engines' launch waits for none: the tokenizer loads without torch where it can
+(`miles.utils.tokenizers`), and torch (for the train data) is imported in a thread while the first
+rollout generates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import importlib.util
 import json
 import logging
@@ -152,6 +155,7 @@ class RolloutManager:
         self._reward_failures = self._reward_scored = 0
         self._fully_async: FullyAsyncRollouts | None = None
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
+        self._train_data_import: asyncio.Future | None = None
 
     async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
@@ -420,6 +424,7 @@ class RolloutManager:
         """Generate and score rollout `rollout_id`; returns {"data": [ObjectRef per DP rank],
         "metrics": {...}}. Rank r trains on `data[r]`."""
         start = time.perf_counter()
+        self._start_train_data_import()
         self._reward_metrics = {}
         self._reward_failures = self._reward_scored = 0
         try:
@@ -439,14 +444,28 @@ class RolloutManager:
         """Scored groups as train data: {"data": [ObjectRef per DP rank], "metrics": {...}}.
         Every way of making a rollout (one rollout at a time, or taken from the fully-async
         buffer) ends here."""
-        # torch, imported on the first rollout rather than before the engines' launch.
-        from miles.rollout.train_data import build_train_data, rollout_metrics
-
+        train_data = await self._train_data_module()
         if self.teachers is not None:  # --use-opd: the teacher's log-prob of every response token
             metrics = {**metrics, **await self.teachers.score(groups)}
-        shards = build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
-        metrics = {**metrics, **rollout_metrics(groups), **self._reward_metrics}
+        shards = train_data.build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
+        metrics = {**metrics, **train_data.rollout_metrics(groups), **self._reward_metrics}
         return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
+
+    def _start_train_data_import(self) -> None:
+        """Start importing `miles.rollout.train_data` (torch) in a thread, once.
+
+        Nothing of this process needs torch before a rollout's end (the tokenizer loads without
+        it), so the import runs while the rollout generates, when the engines work on other
+        cores, instead of during start-up, when every process of the run imports at once."""
+        if self._train_data_import is None:
+            self._train_data_import = asyncio.ensure_future(
+                asyncio.to_thread(importlib.import_module, "miles.rollout.train_data")
+            )
+
+    async def _train_data_module(self) -> Any:
+        self._start_train_data_import()
+        assert self._train_data_import is not None
+        return await self._train_data_import
 
     async def _rollout(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
         assert self.pool is not None, "start_engines() before generate()"
@@ -482,7 +501,7 @@ class RolloutManager:
         (`generate.sample_generator`: the tool rollout's multi-turn exchange with the tools),
         else by --custom-generate-function-path, else by one /generate call."""
         assert self.pool is not None, "start_engines() before eval()"
-        from miles.rollout.train_data import eval_metrics  # torch: see generate()
+        self._start_train_data_import()
 
         metrics: dict[str, float] = {}
         generate_fn = await sample_generator(self.rollout_function, self.config)
@@ -497,7 +516,8 @@ class RolloutManager:
                 )  # fmt: skip
             except EngineError as err:
                 raise self._explain_engine_error(err) from err
-            metrics.update(eval_metrics(output.groups, name))
+            train_data = await self._train_data_module()
+            metrics.update(train_data.eval_metrics(output.groups, name))
         return metrics
 
     def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:
