@@ -306,6 +306,48 @@ def test_packed_logits_equal_per_document_logits(tmp_path, attn_implementation):
         torch.testing.assert_close(packed_grad, p.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_logits_at_response_positions_are_those_of_the_whole_row(
+    tmp_path, attn_implementation
+):
+    # The head runs only where a loss reads (logits_to_keep): the same rows, the same
+    # gradients, as taking those rows of every position's logits.
+    from transformers import AutoModelForCausalLM
+
+    from miles.backends.fsdp_utils.modeling import packed_logits, response_positions
+    from miles.backends.training_utils.packing import pack_sequences
+
+    checkpoint = build_checkpoint(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float64, attn_implementation=attn_implementation
+    )
+    docs = make_batch(4, seed=5)
+    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_masks"], 8)
+    positions = response_positions(packed)
+    cpu = torch.device("cpu")
+    weights = torch.randn(len(positions), model.config.vocab_size, dtype=torch.float64)
+    grads = []
+    for keep in (False, True):
+        model.zero_grad()
+        if keep:
+            logits = packed_logits(
+                model, packed, attn_implementation=attn_implementation, device=cpu,
+                positions=positions,
+            )  # fmt: skip
+        else:
+            whole = packed_logits(
+                model, packed, attn_implementation=attn_implementation, device=cpu
+            )
+            logits = whole[positions]
+        (logits * weights).sum().backward()
+        grads.append(([p.grad.clone() for p in model.parameters()], logits.detach()))
+    (whole_grads, whole_logits), (kept_grads, kept_logits) = grads
+    assert kept_logits.shape == (len(positions), model.config.vocab_size)
+    torch.testing.assert_close(kept_logits, whole_logits, rtol=1e-12, atol=1e-12)
+    for kept, whole in zip(kept_grads, whole_grads, strict=True):
+        torch.testing.assert_close(kept, whole, rtol=1e-10, atol=1e-12)
+
+
 # -- refused flags ---------------------------------------------------------------------------
 
 REFUSED = [

@@ -168,17 +168,19 @@ class FSDPEngine:
             if moe is not None and self.moe is not None:
                 real = real_tokens(packed, runs_as_one_row(model, self.args.attn_implementation))
                 stack.enter_context(self.moe.measuring(real, into=moe))
+            positions = response_positions(packed)  # (sum R,)
             logits = packed_logits(
-                model, packed, attn_implementation=self.args.attn_implementation, device=self.device
-            )  # (T, V)
-        positions = response_positions(packed).to(self.device)  # (sum R,)
+                model, packed, attn_implementation=self.args.attn_implementation,
+                device=self.device, positions=positions,
+            )  # (sum R, V): only where a response token is predicted  # fmt: skip
+        positions = positions.to(self.device)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
         scored = SCORED_TOKEN_IDS in micro
         if scored:  # (sum R, 1 + K): each target, then the K ids also scored there
             ids = token_rows(micro, SCORED_TOKEN_IDS, torch.long).to(self.device)
             targets = torch.cat([targets.unsqueeze(-1), ids], dim=-1)
         log_probs, entropy = get_log_probs_and_entropy(
-            logits[positions], targets, temperature=self.temperature
+            logits, targets, temperature=self.temperature
         )
         if not scored:
             return log_probs, entropy, None

@@ -5,6 +5,7 @@ boundaries for flash attention and Gated DeltaNet layers, one padded row per doc
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -160,9 +161,15 @@ def runs_as_one_row(model: nn.Module, attn_implementation: str) -> bool:
 
 
 def packed_logits(
-    model: nn.Module, packed: PackedBatch, *, attn_implementation: str, device: torch.device
+    model: nn.Module,
+    packed: PackedBatch,
+    *,
+    attn_implementation: str,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(T, V) logits of a packed row, each document attending only to itself.
+    """(T, V) logits of a packed row, each document attending only to itself; with `positions`
+    (indices into the packed row) only those rows, (len(positions), V), in that order.
 
     flash_attention_2, and any model with Gated DeltaNet layers, run the packed row as one
     sequence given its segment boundaries: varlen attention kernels take them (and sdpa / eager
@@ -172,17 +179,38 @@ def packed_logits(
     never lets a position see the padding after it, so no mask is needed, and the cost is sum of
     L_i^2 rather than the (sum L_i)^2 of a block-diagonal mask over the packed row. The logits
     come back in the packed row's layout.
+
+    `positions` is handed to the model's own head as `logits_to_keep`, so the output projection
+    (and its (T, V) activation and gradient, the largest of a step with a large vocabulary) runs
+    only where a loss reads it: RL reads the response positions, not the prompt's.
     """
+    keeps = positions is not None and _takes_logits_to_keep(model)
     if runs_as_one_row(model, attn_implementation):
         input_ids = packed.input_ids.to(device)  # (1, T)
         position_ids = packed.position_ids.to(device)  # (1, T)
         segments = boundary_kwargs(packed.cu_seqlens_with_padding.to(device), packed.max_seqlen)
+        if keeps:
+            segments["logits_to_keep"] = positions.to(device)
         output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **segments)
-        return output.logits[0]
+        logits = output.logits[0]
+        return logits if keeps or positions is None else logits[positions.to(device)]
     lengths = packed.cu_seqlens.diff().tolist()
     documents = packed.input_ids[0, : int(packed.cu_seqlens[-1])].split(lengths)
     rows = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True).to(device)  # (B, L)
     position_ids = torch.arange(rows.shape[1], device=device).expand_as(rows)  # (B, L)
+    if keeps:
+        # Packed position p of document d is column p - start(d) of row d. The head runs on the
+        # columns any row needs (a prompt's columns below the shortest prompt are skipped).
+        document = torch.searchsorted(packed.cu_seqlens, positions, right=True) - 1
+        column = positions - packed.cu_seqlens[document]
+        columns, index = torch.unique(column, return_inverse=True)
+        logits = model(
+            input_ids=rows,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=columns.to(device),
+        ).logits  # (B, len(columns), V)
+        return logits[document.to(device), index.to(device)]  # one gather (see below)
     logits = model(input_ids=rows, position_ids=position_ids, use_cache=False).logits  # (B, L, V)
     # One boolean gather (row-major: the documents in order), not one slice per document: each
     # slice's backward writes a zero (B, L, V) gradient and adds it up, O(B^2) in the batch.
@@ -190,7 +218,13 @@ def packed_logits(
     flat = logits[real]  # (sum L_i, V)
     if packed.num_pad_tokens:  # the row's trailing padding predicts nothing
         flat = torch.cat([flat, flat.new_zeros(packed.num_pad_tokens, flat.shape[-1])])
-    return flat  # (T, V)
+    return flat if positions is None else flat[positions.to(device)]  # (T, V)
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward can compute only some positions' logits (transformers' causal
+    LMs take `logits_to_keep`; a custom one may not)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def response_positions(packed: PackedBatch) -> torch.Tensor:
