@@ -40,7 +40,12 @@ PHASES = [
 FLOORS = {
     "ray (any Ray worker)": "import ray",
     "torch": "import torch",
-    "tokenizer (AutoTokenizer)": "from transformers import AutoTokenizer",
+    "manager's tokenizer (load_tokenizer)": (
+        "from miles.utils.tokenizers import load_tokenizer; load_tokenizer({checkpoint!r})"
+    ),
+    "AutoTokenizer (imports torch)": (
+        "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained({checkpoint!r})"
+    ),
     "FSDP train rank (its actor module)": "import miles.backends.fsdp_utils.actor",
     "reference engine (its server module)": (
         "import miles.backends.sglang_utils.reference_engine.cli"
@@ -54,13 +59,8 @@ def seconds_of(command: list[str], **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def run_stage_two(work: Path) -> tuple[float, dict]:
+def run_stage_two(work: Path, checkpoint: Path) -> tuple[float, dict]:
     """Launch stage 2 for one rollout; (launch time, the first rollout's record)."""
-    checkpoint = work / "base"
-    subprocess.run(
-        [sys.executable, "-m", "miles.backends.sglang_utils.tiny_checkpoint", str(checkpoint)],
-        check=True, capture_output=True,
-    )  # fmt: skip
     out = work / "grpo"
     command = [
         MILES, "train", "--config", str(REPO / "examples/cpu_demo/grpo.yaml"),
@@ -83,7 +83,16 @@ def main() -> None:
     args = parser.parse_args()
     help_s = seconds_of([MILES, "train", "--help"])
     with tempfile.TemporaryDirectory() as tmp:
-        launched, record = run_stage_two(Path(tmp))
+        checkpoint = Path(tmp) / "base"
+        subprocess.run(
+            [sys.executable, "-m", "miles.backends.sglang_utils.tiny_checkpoint", str(checkpoint)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        launched, record = run_stage_two(Path(tmp), checkpoint)
+        floors = {} if args.skip_floors else {
+            name: seconds_of([sys.executable, "-c", statement.format(checkpoint=str(checkpoint))])
+            for name, statement in FLOORS.items()
+        }  # fmt: skip
     driver_s = record["startup/began_at"] - launched
     ready_s = driver_s + record["startup/total_s"]
     print(f"CPU demo stage 2, {os.cpu_count()} CPU cores: ready to generate {ready_s:.1f} s after "
@@ -95,12 +104,14 @@ def main() -> None:
         if value is not None:
             print(f"  {key:<22} {value:8.1f}  {covers}")
     print(f"  {'ready (wall)':<22} {ready_s:8.1f}  launch to the end of the first weight sync")
+    if "time/step_s" in record:  # what start-up left to the first step (the manager's torch)
+        print(f"first rollout step after ready: {record['time/step_s']:.1f} s (generate "
+              f"{record.get('time/generate_s', float('nan')):.1f} s)")  # fmt: skip
     print(f"`miles train --help`: {help_s:.2f} s")
-    if args.skip_floors:
-        return
-    print("import floors, one process each (no code of ours runs before these imports):")
-    for name, statement in FLOORS.items():
-        print(f"  {name:<38} {seconds_of([sys.executable, '-c', statement]):6.1f} s")
+    if floors:
+        print("import floors, one process each (no code of ours runs before these imports):")
+    for name, seconds in floors.items():
+        print(f"  {name:<38} {seconds:6.1f} s")
 
 
 if __name__ == "__main__":
