@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="record a MoE model's routing for requests with return_routed_experts",
     )
     parser.add_argument(
+        "--disable-fast-decode",
+        action="store_true",
+        help="decode through the Hugging Face forward, not the engine's own decode step",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser

@@ -45,6 +45,9 @@ class ReferenceEngineConfig:
     enable_return_routed_experts: bool = False
     """--enable-return-routed-experts: record a MoE model's routing, so that requests may ask for
     `return_routed_experts` (SGLang's flag of the same name)."""
+    disable_fast_decode: bool = False
+    """--disable-fast-decode: decode through the Hugging Face forward even where the engine's own
+    decode step covers the model (`fast_decode`), e.g. to compare the two."""
     served_model_name: str | None = None
     """--served-model-name: the model id of the OpenAI-compatible routes (default: --model-path)."""
     device: str | None = None

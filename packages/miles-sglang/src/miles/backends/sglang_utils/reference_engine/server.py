@@ -114,7 +114,10 @@ class ReferenceEngine:
         )
         self.scheduler = Scheduler(
             ModelRunner(
-                model, self.device, record_routed_experts=config.enable_return_routed_experts
+                model,
+                self.device,
+                record_routed_experts=config.enable_return_routed_experts,
+                fast_decode=not config.disable_fast_decode,
             ),
             eos_token_ids=self._eos_ids(model),
             context_length=self.context_length,
