@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,34 @@ async def current_version(url: str) -> int:
         return int((await client.get_model_info())["weight_version"])
 
 
+async def until_engine(url: str, ready: Callable[[dict], bool], what: str,
+                       timeout_s: float = 60.0) -> None:  # fmt: skip
+    """Poll the engine's scheduler state until `ready(state)`: tests wait for what the engine
+    is doing, never a fixed sleep (a fast engine finishes a short request within any sleep long
+    enough for a slow machine to start it)."""
+    deadline = time.monotonic() + timeout_s
+    async with EngineClient(url) as client:
+        while time.monotonic() < deadline:
+            if ready((await client.get_server_info())["internal_states"][0]):
+                return
+            await asyncio.sleep(0.005)
+    raise TimeoutError(f"the engine at {url} was not {what} within {timeout_s} s")
+
+
+async def until_all_decoding(url: str, *, requests: int) -> None:
+    """Until `requests` requests run and the engine has decoded two steps with all of them."""
+    steps_when_all_ran: list[int] = []
+
+    def decoded_two_steps(state: dict) -> bool:
+        if state["num_running"] < requests:
+            steps_when_all_ran.clear()
+            return False
+        steps_when_all_ran.append(state["decode_steps"])
+        return state["decode_steps"] >= steps_when_all_ran[0] + 2
+
+    await until_engine(url, decoded_two_steps, f"decoding {requests} requests")
+
+
 def test_an_update_with_partial_rollout_masks_exactly_the_older_tokens(
     engine_url, tiny_checkpoint, prompts
 ):
@@ -184,10 +214,17 @@ def test_an_update_with_partial_rollout_masks_exactly_the_older_tokens(
             buffer, _ = make_buffer(
                 pool, prompts, config, old, max_len=400, generate_fn=long_generate
             )
+            # Requests left by an earlier test would pass for this test's own.
+            await until_engine(
+                engine_url, lambda state: state["num_running"] + state["num_waiting"] == 0, "idle"
+            )
             buffer.start()
-            await asyncio.sleep(0.5)  # both groups are generating their 400 tokens
+            await until_all_decoding(engine_url, requests=4)
+            # Freeze the engine in place (SGLang's "in_place" pause) so that no request can finish
+            # before the update's abort meets it, however fast the engine decodes.
+            await pool.pause_generation(mode="in_place")
             await buffer.pause_for_update()
-            assert buffer.counts["aborted_groups"] == 2  # nothing finished in 0.5 s
+            assert buffer.counts["aborted_groups"] == 2
             new = await push_new_version(engine_url, tiny_checkpoint)
             await buffer.resume_after_update(new)
             try:
