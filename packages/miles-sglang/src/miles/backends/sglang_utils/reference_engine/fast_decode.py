@@ -1,4 +1,5 @@
-"""A decode step of a dense Llama-layout model as the tensor ops it is, without the HF forward.
+"""Prefill and decode steps of a dense Llama-layout model as the tensor ops they are, without the
+HF forward.
 
 A decode step reads one token per row, so its matmuls are small and the Hugging Face forward's
 per-call work (mask building, cache objects, kwargs plumbing, module calls, SDPA's set-up) is a
@@ -8,11 +9,18 @@ architectures whose forward is exactly embedding -> [RMSNorm, attention (grouped
 q/k norms), residual, RMSNorm, gated MLP, residual] x layers -> RMSNorm -> lm_head (Llama, Qwen2,
 Qwen3), reading the modules' weights at every step (weight updates apply at once) and calling the
 model's own rotary embedding (its scaling rules included). Anything else keeps the HF forward
-(`DenseDecoder.for_model` says why); prefill always uses it.
+(`DenseDecoder.for_model` says why).
+
+A prefill runs the same layers over every prompt position (torch's SDPA with the causal and
+padding mask, grouped KV heads as they are) and puts only the positions asked for through the
+output head: the last one, unless the prompt is scored. The HF forward's fixed cost per call
+(mask and cache objects, module calls) was most of a GRPO group's prefill, which a rollout's
+requests pay once each as they arrive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,10 +119,9 @@ class DenseDecoder:
         (per layer (B, kv_heads, L, head_dim)) and whose (B, L + 1) `mask` marks the real
         columns, the new one included. Returns the next-token logits (B, V) and the grown
         caches (appended in place where their buffers have room)."""
-        batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
-        group = heads // kv_heads
-        x = F.embedding(tokens, self.embed.weight)  # (B, hidden)
-        cos, sin = self.rotary(x, positions[:, None])  # (B, 1, head_dim), broadcast over heads
+        batch, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
+        group = self.heads // kv_heads
+        x = F.embedding(tokens[:, None], self.embed.weight)  # (B, 1, hidden)
         # Additive mask over the keys, one row per (row, kv head): padding columns get -inf
         # (every row has its new token, so no softmax row is all -inf).
         bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
@@ -122,19 +129,10 @@ class DenseDecoder:
         bias = bias[:, None, :]  # (B * kv_heads, 1, L + 1)
         softmax_dtype = torch.promote_types(x.dtype, torch.float32)
         new_keys, new_values = [], []
-        for layer, cached_k, cached_v in zip(self.layers, keys, values, strict=True):
-            h = _rms_norm(layer.input_norm, x)
-            q = _linear(layer.q_proj, h).view(batch, heads, dim)
-            k = _linear(layer.k_proj, h).view(batch, kv_heads, dim)
-            v = _linear(layer.v_proj, h).view(batch, kv_heads, 1, dim)
-            if layer.q_norm is not None:
-                q = _rms_norm(layer.q_norm, q)
-            if layer.k_norm is not None:
-                k = _rms_norm(layer.k_norm, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            all_k = append_kv(cached_k, k.view(batch, kv_heads, 1, dim))
-            all_v = append_kv(cached_v, v)
+
+        def attend(index: int, layer: _Layer, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            all_k = append_kv(keys[index], k)
+            all_v = append_kv(values[index], v)
             new_keys.append(all_k)
             new_values.append(all_v)
             # Grouped attention: the `group` query heads of a kv head read its keys in one bmm,
@@ -142,17 +140,75 @@ class DenseDecoder:
             length = all_k.shape[2]
             scores = torch.baddbmm(
                 bias,
-                q.view(batch * kv_heads, group, dim),
+                q.reshape(batch * kv_heads, group, dim),
                 all_k.reshape(batch * kv_heads, length, dim).transpose(1, 2),
                 alpha=layer.scaling,
             )  # (B * kv_heads, group, L + 1)
             probs = scores.softmax(-1, dtype=softmax_dtype).to(x.dtype)
             attended = torch.bmm(probs, all_v.reshape(batch * kv_heads, length, dim))
-            x = x + _linear(layer.o_proj, attended.view(batch, heads * dim))
+            return attended.view(batch, 1, self.heads * dim)
+
+        x = self._layers(x, positions[:, None], attend)
+        return self._head(x[:, -1]), new_keys, new_values
+
+    def prefill(
+        self, input_ids: Tensor, mask: Tensor, positions: Tensor, *, every_position: bool
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Run left-padded prompts `input_ids` (B, S), whose `mask` marks the real tokens, at
+        `positions` (B, S). Returns the logits (B, S, V) with `every_position`, else those of the
+        last position only (B, 1, V), and each layer's keys and values (B, kv_heads, S, dim).
+
+        Only the positions asked for go through the output head: a prefill that scores no
+        prompt needs the last one, which saves a (S, vocab) product per prompt."""
+        batch, seq = input_ids.shape
+        x = F.embedding(input_ids, self.embed.weight)  # (B, S, hidden)
+        real = mask.bool()
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        # A padding position may see itself only: it then has one key to attend to (no row of
+        # the softmax is all -inf), and no real position ever sees it.
+        visible = (causal & real[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=x.device)
+        visible = visible[:, None]  # (B, 1, S, S), broadcast over heads
+        grouped = self.heads != self.kv_heads
+        new_keys, new_values = [], []
+
+        def attend(index: int, layer: _Layer, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            new_keys.append(k)
+            new_values.append(v)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible, scale=layer.scaling, enable_gqa=grouped
+            )  # (B, heads, S, dim)
+            return out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+
+        x = self._layers(x, positions, attend)
+        return self._head(x if every_position else x[:, -1:]), new_keys, new_values
+
+    def _layers(self, x: Tensor, positions: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        """The decoder layers over hidden states `x` (B, S, hidden) at `positions` (B, S);
+        `attend(index, layer, q, k, v)` turns layer `index`'s rotated queries (B, heads, S, dim)
+        and keys and values (B, kv_heads, S, dim) into its (B, S, heads * dim) output."""
+        batch, seq = x.shape[:2]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.rotary(x, positions)  # (B, S, dim)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(layer.input_norm, x)
+            q = _linear(layer.q_proj, h).view(batch, seq, heads, dim).transpose(1, 2)
+            k = _linear(layer.k_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            v = _linear(layer.v_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            if layer.q_norm is not None:
+                q = _rms_norm(layer.q_norm, q)
+            if layer.k_norm is not None:
+                k = _rms_norm(layer.k_norm, k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            x = x + _linear(layer.o_proj, attend(index, layer, q, k, v))
             h = _rms_norm(layer.post_norm, x)
             gated = layer.act_fn(_linear(layer.gate_proj, h)) * _linear(layer.up_proj, h)
             x = x + _linear(layer.down_proj, gated)
-        return _linear(self.lm_head, _rms_norm(self.norm, x)), new_keys, new_values
+        return x
+
+    def _head(self, x: Tensor) -> Tensor:
+        return _linear(self.lm_head, _rms_norm(self.norm, x))
 
 
 def _unsupported(model: nn.Module) -> str:

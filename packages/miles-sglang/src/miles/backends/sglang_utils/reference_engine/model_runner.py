@@ -1,5 +1,6 @@
 """A Hugging Face causal LM run as prefill and decode steps over a running batch (its KV cache:
-`batch_cache`). Decode steps of dense Llama-layout models skip the HF forward (`fast_decode`)."""
+`batch_cache`). Prefills and decode steps of dense Llama-layout models skip the HF forward
+(`fast_decode`)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ class ModelRunner:
         record_routed_experts: bool = False,
         fast_decode: bool = True,
     ) -> None:
-        """`fast_decode`: run decode steps through `DenseDecoder` where the model allows it
-        (False: always the HF forward, as for checks against it)."""
+        """`fast_decode`: run prefills and decode steps through `DenseDecoder` where the model
+        allows it (False: always the HF forward, as for checks against it)."""
         check_kv_only(model)
         self.model = model.eval().to(device)
         self.device = device
@@ -85,25 +86,31 @@ class ModelRunner:
         # transformers 5 renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
         self.prefilled_tokens = 0
         """Prompt tokens run through the model (shared prompts count once)."""
         self.decoder: DenseDecoder | None = None
         why = "turned off" if not fast_decode else "routed experts are recorded by the HF forward"
         if fast_decode and self.recorder is None:
             self.decoder, why = DenseDecoder.for_model(self.model)
-        logger.info("decode steps: %s", "fast path" if self.decoder else f"HF forward ({why})")
+        logger.info("prefill and decode: %s", "fast path" if self.decoder else f"HF forward ({why})")
 
     def _forward(
-        self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache
-    ) -> Tensor:
+        self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
+        *, last_only: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """The logits (B, S, V), or with `last_only` (B, 1, V) where the model's forward can
+        leave the other positions out of its output head (`logits_to_keep`)."""
+        keep = {"logits_to_keep": 1} if last_only and self._keeps_logits else {}
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             **{self._cache_kwarg: cache},
+            **keep,
         )
-        return out.logits  # (B, S, V)
+        return out.logits
 
     @staticmethod
     def _state_from(cache: DynamicCache, mask: Tensor) -> BatchState:
@@ -128,9 +135,9 @@ class ModelRunner:
         anyway, so scoring a prompt costs no extra forward."""
         distinct, rows = distinct_prompts(prompts)
         with self._recording(len(distinct), max(len(p) for p in distinct)) as routed:
-            every, state = self._prefill(distinct)  # (B, L, V)
+            every, state = self._prefill(distinct, every_position=any(wanted))  # (B, L or 1, V)
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
-        length = every.shape[1]
+        length = state.length
         if routed:  # (B, L, layers, top_k), left-padded like the prompts
             self.prefill_routed = [
                 routed[0][row, length - len(prompt) :]
@@ -145,8 +152,11 @@ class ModelRunner:
             return logits, state, prompt_logits
         return *gather_rows(logits, state, rows), prompt_logits
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
-        """Logits at every (left-padded) position, (B, L, V), and the cache."""
+    def _prefill(
+        self, prompts: list[list[int]], *, every_position: bool
+    ) -> tuple[Tensor, BatchState]:
+        """The logits at every (left-padded) position, (B, L, V), or with `every_position`
+        False at least those of the last one, and the cache."""
         length = max(len(p) for p in prompts)
         input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
         mask = torch.zeros(len(prompts), length, dtype=torch.long)
@@ -155,8 +165,13 @@ class ModelRunner:
             mask[row, length - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        if self.decoder is not None:
+            logits, keys, values = self.decoder.prefill(
+                input_ids, mask, positions, every_position=every_position
+            )
+            return logits, BatchState(keys, values, mask)
         cache = DynamicCache()
-        logits = self._forward(input_ids, mask, positions, cache)
+        logits = self._forward(input_ids, mask, positions, cache, last_only=not every_position)
         return logits, self._state_from(cache, mask)
 
     @torch.no_grad()
