@@ -7,8 +7,11 @@ import re
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles.backends.sglang_utils.weight_sync import WeightUpdateError, load_named_tensors
+from miles.backends.sglang_utils.weight_sync.loader import _all_finite
 
 
 def _tiny_qwen3(seed: int) -> torch.nn.Module:
@@ -90,3 +93,28 @@ def test_every_problem_is_reported_at_once(engine):
     with pytest.raises(WeightUpdateError, match=r"^7 of 7 tensors") as info:
         load_named_tensors(engine, [(f"nope.{i}", torch.zeros(1)) for i in range(7)])
     assert "and 2 more" in str(info.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    values=st.lists(
+        st.one_of(
+            st.floats(allow_nan=False, allow_infinity=False, width=16),
+            st.sampled_from([60000.0, -60000.0, 3e38, -3e38]),  # finite, but their sum overflows
+            st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+        ),
+        min_size=1,
+        max_size=64,
+    ),
+)
+def test_the_finite_check_agrees_with_isfinite_on_every_value(dtype, values):
+    # The loader proves finiteness by one sum; a sum that overflows must not refuse finite values.
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
+    assert _all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
+def test_a_finite_update_whose_sum_overflows_loads(engine):
+    big = torch.full_like(engine.model.norm.weight, 60000.0, dtype=torch.float16)
+    load_named_tensors(engine, [("model.norm.weight", big)])
+    assert bool((engine.model.norm.weight == 60000.0).all())

@@ -97,6 +97,16 @@ def _check(name: str, tensor: object, targets: dict[str, Tensor]) -> str | None:
         return f"{name!r} is a {type(tensor).__name__}, not a tensor"
     if tuple(tensor.shape) != tuple(target.shape):
         return f"{name!r} has shape {tuple(tensor.shape)} but the model's is {tuple(target.shape)}"
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and not _all_finite(tensor):
         return f"{name!r} holds NaN or infinite values"
     return None
+
+
+def _all_finite(tensor: Tensor) -> bool:
+    """Whether every value is finite, in one reduction for the usual tensor.
+
+    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every value finite
+    without the elementwise mask `isfinite` allocates (a third of a small model's update time on
+    the engine). Only a non-finite sum, which finite values can also give by overflowing, pays
+    the exact check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
