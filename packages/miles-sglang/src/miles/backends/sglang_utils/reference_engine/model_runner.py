@@ -93,7 +93,9 @@ class ModelRunner:
         why = "turned off" if not fast_decode else "routed experts are recorded by the HF forward"
         if fast_decode and self.recorder is None:
             self.decoder, why = DenseDecoder.for_model(self.model)
-        logger.info("prefill and decode: %s", "fast path" if self.decoder else f"HF forward ({why})")
+        logger.info(
+            "prefill and decode: %s", "fast path" if self.decoder else f"HF forward ({why})"
+        )
 
     def _forward(
         self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
