@@ -6,7 +6,8 @@ reward (miles's own `exact_match` function on both sides) and temperature 1.0, w
 step per rollout and no reference model / KL. miles runs in-process on real Ray (one FSDP train
 rank, one reference engine, disaggregated); TRL runs afterwards in the same process on CPU
 (transformers `generate`, no vLLM). The script prints seconds per RL step of each (warm-up steps
-excluded), the ratio, miles's time split and both start-up times.
+excluded), the ratio, miles's time split (with the engine's own loop: prefill, decode and
+sampling, from its `/get_server_info`) and both start-up times.
 
 TRL is installed only for the benchmark (it is no dependency of the workspace):
 
@@ -89,8 +90,10 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
     begin = time.perf_counter()
     with Run(config) as run:
         started = time.perf_counter()
+        loop_before = engine_loop_seconds(run.engine_urls)
         train_sync(run)
         looped = time.perf_counter()
+        loop_after = engine_loop_seconds(run.engine_urls)
     closed = time.perf_counter()
     ray.shutdown()
 
@@ -122,6 +125,11 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
     return {
         "step_s": summarize(step_s),
         "split_median_s": {k: statistics.median(v) for k, v in split.items()},
+        # The engine's own loop, mean per rollout (warm-up included): what the engine did,
+        # without HTTP, the rollout manager and rewards around it.
+        "engine_loop_mean_s": {
+            key: (loop_after[key] - loop_before[key]) / num_rollout for key in loop_after
+        },
         "warmup_step_s": [r["time/step_s"] for r in steps[: args.warmup]],
         "startup_s": started - begin,  # Ray + placement + engine + train actor (+ model load)
         "initial_weight_sync_s": looped - started - in_steps,
@@ -129,6 +137,19 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
         "response_len_mean": statistics.fmean(series("rollout/response_len_mean")),
         "reward_mean": statistics.fmean(series("rollout/reward_mean")),
     }
+
+
+def engine_loop_seconds(urls: list[str]) -> dict[str, float]:
+    """The engines' `step_seconds` (prefill, decode and sampling forwards, whole loop steps),
+    summed over engines, as `/get_server_info` reports them."""
+    import httpx
+
+    totals: dict[str, float] = {}
+    for url in urls:
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        for key, seconds in info["internal_states"][0]["step_seconds"].items():
+            totals[key] = totals.get(key, 0.0) + seconds
+    return totals
 
 
 # -- TRL -----------------------------------------------------------------------------------------
@@ -285,12 +306,24 @@ def report(args: argparse.Namespace, model_info: str, miles: dict | None, trl: d
             print(
                 f"generation tokens/s, reference engine / transformers generate: {engine / hf:.2f}x"
             )
+            loop = miles["engine_loop_mean_s"].get("steps")
+            if loop:  # the same ratio for the engine's loop alone (its mean over all rollouts)
+                print(
+                    f"  the engine's own loop alone ({loop:.3f} s a rollout) / generate: "
+                    f"{generate_s / loop:.2f}x"
+                )
     for name, result in (("miles", miles), ("TRL", trl)):
         if result is None or not result["split_median_s"]:
             continue
         print(f"\n{name} time split (median s per step):")
         for phase, seconds in result["split_median_s"].items():
             print(f"  {phase:36}{seconds:>8.3f}")
+    if miles and miles["engine_loop_mean_s"]:
+        loop = miles["engine_loop_mean_s"]
+        print("\nmiles engine loop (s per rollout, mean; the rest of the engine requests is HTTP, "
+              "the manager and rewards):")  # fmt: skip
+        for key in ("prefill", "decode", "sampling", "steps"):
+            print(f"  {key:36}{loop.get(key, 0.0):>8.3f}")
     print("\nstart-up (one-off):")
     if miles:
         print(f"  miles: {miles['startup_s']:.1f} s (Ray + engine + train actor), initial weight "
