@@ -142,11 +142,12 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
 def engine_loop_seconds(urls: list[str]) -> dict[str, float]:
     """The engines' `step_seconds` (prefill, decode and sampling forwards, whole loop steps),
     summed over engines, as `/get_server_info` reports them."""
-    import httpx
+    from miles.backends.sglang_utils.client import SyncEngineClient
 
     totals: dict[str, float] = {}
     for url in urls:
-        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        with SyncEngineClient(url) as client:
+            info = client.get_server_info()
         for key, seconds in info["internal_states"][0]["step_seconds"].items():
             totals[key] = totals.get(key, 0.0) + seconds
     return totals

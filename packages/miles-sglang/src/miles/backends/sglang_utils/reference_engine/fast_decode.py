@@ -13,9 +13,8 @@ model's own rotary embedding (its scaling rules included). Anything else keeps t
 
 A prefill runs the same layers over every prompt position (torch's SDPA with the causal and
 padding mask, grouped KV heads as they are) and puts only the positions asked for through the
-output head: the last one, unless the prompt is scored. The HF forward's fixed cost per call
-(mask and cache objects, module calls) was most of a GRPO group's prefill, which a rollout's
-requests pay once each as they arrive.
+output head: the last one, unless the prompt is scored. It skips the HF forward's per-call work
+as a decode step does (8 prompts of 9 tokens, 4 layers, 256 wide: 6.7 ms against 8.0 ms).
 """
 
 from __future__ import annotations

@@ -99,11 +99,11 @@ class ModelRunner:
 
     def _forward(
         self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
-        *, last_only: bool = False,
+        *, every_position: bool = True,
     ) -> Tensor:  # fmt: skip
-        """The logits (B, S, V), or with `last_only` (B, 1, V) where the model's forward can
-        leave the other positions out of its output head (`logits_to_keep`)."""
-        keep = {"logits_to_keep": 1} if last_only and self._keeps_logits else {}
+        """The logits (B, S, V), or without `every_position` (B, 1, V) where the model's forward
+        can leave the other positions out of its output head (`logits_to_keep`)."""
+        keep = {} if every_position or not self._keeps_logits else {"logits_to_keep": 1}
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -173,7 +173,7 @@ class ModelRunner:
             )
             return logits, BatchState(keys, values, mask)
         cache = DynamicCache()
-        logits = self._forward(input_ids, mask, positions, cache, last_only=not every_position)
+        logits = self._forward(input_ids, mask, positions, cache, every_position=every_position)
         return logits, self._state_from(cache, mask)
 
     @torch.no_grad()
