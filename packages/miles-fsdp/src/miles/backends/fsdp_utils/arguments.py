@@ -47,6 +47,12 @@ class FSDPArgs(TrainerArgs):
     """Ranks that split one sequence; the FSDP backend supports only 1 for now."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """transformers attention kernel of the trained model."""
+    share_prompt_forward: bool = True
+    """Forward a prompt once for all the samples of a micro-batch that share it (a GRPO group),
+    each response attending to its KV cache, instead of once per sample: the same log-probs and
+    gradients for fewer tokens. Applies with sdpa or eager attention to dense full-attention
+    models without gradient checkpointing; elsewhere every sample forwards its own prompt (the
+    train actor logs which)."""
     moe_aux_loss_coef: float | None = None
     """MoE models: weight of the load-balancing loss (E x sum over experts of the share of tokens
     routed there x its mean router probability, averaged over layers) added to every train step;

@@ -34,6 +34,11 @@ from miles.backends.fsdp_utils.modeling import (
 from miles.backends.fsdp_utils.moe_stats import MoEStats
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
+from miles.backends.fsdp_utils.prompt_sharing import (
+    plan_shared_prompts,
+    prompt_sharing_unsupported,
+    shared_prompt_logits,
+)
 from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
@@ -94,6 +99,7 @@ class FSDPEngine:
             else None
         )
         self.moe = self._moe_stats(args)
+        self.share_prompts = args.share_prompt_forward and self._can_share_prompts(args)
         gather = args.fsdp_gather
         self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
         # --ref-load: a reference model other than the start checkpoint.
@@ -148,6 +154,18 @@ class FSDPEngine:
             coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         return MoEStats(self.model, coef)
 
+    def _can_share_prompts(self, args: FSDPArgs) -> bool:
+        why_not = prompt_sharing_unsupported(
+            self.model,
+            attn_implementation=args.attn_implementation,
+            gradient_checkpointing=args.gradient_checkpointing,
+            moe=bool(moe_routers(self.model)),
+            packs_one_row=runs_as_one_row(self.model, args.attn_implementation),
+        )
+        if why_not is not None:
+            logger.info("--share-prompt-forward: each sample forwards its prompt: %s", why_not)
+        return why_not is None
+
     # -- forward and backward -----------------------------------------------------------------
 
     def _log_probs(
@@ -169,10 +187,14 @@ class FSDPEngine:
                 real = real_tokens(packed, runs_as_one_row(model, self.args.attn_implementation))
                 stack.enter_context(self.moe.measuring(real, into=moe))
             positions = response_positions(packed)  # (sum R,)
-            logits = packed_logits(
-                model, packed, attn_implementation=self.args.attn_implementation,
-                device=self.device, positions=positions,
-            )  # (sum R, V): only where a response token is predicted  # fmt: skip
+            shared = plan_shared_prompts(packed) if self.share_prompts else None
+            if shared is not None:
+                logits = shared_prompt_logits(model, shared, self.device)  # (sum R, V)
+            else:
+                logits = packed_logits(
+                    model, packed, attn_implementation=self.args.attn_implementation,
+                    device=self.device, positions=positions,
+                )  # (sum R, V): only where a response token is predicted  # fmt: skip
         positions = positions.to(self.device)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
         scored = SCORED_TOKEN_IDS in micro
