@@ -25,8 +25,10 @@ What differs between the two, by design of each framework (not of this script):
 - With one optimizer step per rollout neither runs a separate old-policy forward: miles takes the
   old log-probs from the step's own forward (detached), TRL skips them when num_iterations == 1.
 - miles trains on packed micro-batches of up to --max-tokens-per-gpu tokens (default here 4096: the
-  whole rollout in one micro-batch); with sdpa on CPU it runs their documents as the rows of a
-  right-padded batch, as TRL pads each sample to the batch's longest one.
+  whole rollout in one micro-batch). Its FSDP backend forwards each group's prompt once and the
+  group's responses after it, on the prompt's KV cache (--share-prompt-forward, on by default):
+  here 8 x 9 prompt tokens and 64 responses instead of 64 prompt-and-response rows. TRL pads each
+  sample, prompt included, to the batch's longest one.
 - miles pushes the new weights to the engine after every step (`time/update_weights_s`); TRL
   generates with the model it trains, so it has no weight sync.
 """

@@ -69,17 +69,18 @@ def test_shared_prompt_logits_and_gradients_equal_per_document_ones(
     packed = pack_sequences(tokens, response_lengths, [[1] * r for r in response_lengths], 8)
     plan = plan_shared_prompts(packed)
     trained = [(t[: len(t) - r], r) for t, r in zip(tokens, response_lengths, strict=True) if r]
-    prompts = {tuple(prompt) for prompt, _ in trained}
-    shared_tokens = len(prompts) * max(map(len, prompts), default=0) + len(trained) * max(
-        (r - 1 for _, r in trained), default=0
+    # Forwarded once each: the prompts but their last token (which opens each document's row).
+    prefixes = {tuple(prompt[:-1]) for prompt, _ in trained}
+    shared_tokens = len(prefixes) * max(map(len, prefixes), default=0) + len(trained) * max(
+        (r for _, r in trained), default=0
     )
     per_document = len(tokens) * max(map(len, tokens))
-    worth_it = len(prompts) < len(trained) and shared_tokens < per_document
+    worth_it = len(prefixes) < len(trained) and shared_tokens < per_document
     assert (plan is not None) == worth_it
     if plan is None:
         return
     assert plan.num_tokens == shared_tokens
-    assert plan.prompts.shape[0] == len(prompts)
+    assert plan.prefixes.shape[0] == len(prefixes)
     cpu = torch.device("cpu")
     positions = response_positions(packed)
     weights = torch.randn(len(positions), model.config.vocab_size, dtype=torch.float64,
@@ -170,3 +171,22 @@ def test_fsdp_steps_with_shared_prompts_equal_a_per_document_reference(tmp_path)
         assert case["shared_forwards"] == 4, case
         torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-4, atol=0)
         assert max(case["grad_diff"]) < 1e-4, case
+
+
+UNSUPPORTED = [
+    ({"attn_implementation": "flash_attention_2"}, "--attn-implementation flash_attention_2"),
+    ({"packs_one_row": True}, "Gated DeltaNet"),
+    ({"moe": True}, "MoE"),
+    ({"gradient_checkpointing": True}, "--gradient-checkpointing"),
+]
+
+
+@pytest.mark.parametrize(("setting", "reason"), UNSUPPORTED)
+def test_what_cannot_share_a_prompt_says_why(float64_models, setting, reason):
+    from miles.backends.fsdp_utils.prompt_sharing import prompt_sharing_unsupported
+
+    settings_ = {"attn_implementation": "sdpa", "gradient_checkpointing": False, "moe": False,
+                 "packs_one_row": False}  # fmt: skip
+    model = float64_models["sdpa"]
+    assert prompt_sharing_unsupported(model, **settings_) is None
+    assert reason in prompt_sharing_unsupported(model, **{**settings_, **setting})

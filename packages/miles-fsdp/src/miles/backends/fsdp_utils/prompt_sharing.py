@@ -1,13 +1,15 @@
 """One forward of a prompt for all the samples of a micro-batch that share it (a GRPO group).
 
 The samples of a group repeat their prompt; forwarding it once per sample spends most of a short
-RL step's tokens on the same prefix. Here the distinct prompts of a micro-batch run as one padded
-batch that fills a KV cache; each response then runs with its prompt's cache rows (gathered per
-sample) as past keys and values, at positions that continue its prompt. Attention sees exactly
-what a per-document forward sees, so the log-probs are the same and the gradients of the shared
-prompt are the sum over its samples, as they are when each sample holds its own copy. Cost: the
-prompt's tokens once per group instead of once per sample, and the last token of every response
-(which predicts nothing) not at all.
+RL step's tokens on the same prefix. Here the distinct prompts of a micro-batch, but for their
+last token, run as one padded batch that fills a KV cache. Each document then runs one row: its
+prompt's last token and its response but the last token (which predicts nothing), with its
+prompt's cache rows (gathered per document) as past keys and values, at positions that continue
+the prompt. Every logit a loss reads comes out of these rows, in document order.
+
+Attention sees exactly what a per-document forward sees, so the log-probs are the same, and the
+gradient of a shared prompt is the sum over its samples, as it is when each sample holds its own
+copy. Cost: the prompt once per group instead of once per sample, plus one token per document.
 """
 
 from __future__ import annotations
@@ -24,25 +26,25 @@ from miles.backends.training_utils.packing import PAD_TOKEN_ID, PackedBatch
 
 @dataclass(frozen=True)
 class SharedPrompts:
-    """A micro-batch laid out as distinct prompts (G rows) and responses (N rows, one per
-    document with a response, in the packed row's order)."""
+    """A micro-batch as distinct prompt prefixes (G rows) and one row per document with a
+    response (N rows, in the packed row's order)."""
 
-    prompts: Tensor
-    """(G, P) long: each distinct prompt, right-padded."""
-    prompt_lengths: Tensor
+    prefixes: Tensor
+    """(G, P) long: each distinct prompt but its last token, right-padded; P may be 0."""
+    prefix_lengths: Tensor
     """(G,) long."""
-    responses: Tensor
-    """(N, R) long: each response's tokens but its last (which predicts nothing), right-padded;
-    R may be 0 when every response has one token."""
+    rows: Tensor
+    """(N, R) long: a document's last prompt token, then its response tokens but the last,
+    right-padded; position j predicts response token j."""
     response_lengths: Tensor
-    """(N,) long: whole response lengths (>= 1)."""
+    """(N,) long: the tokens of each row, its response's length (>= 1)."""
     group: Tensor
-    """(N,) long: the row of `prompts` each response continues."""
+    """(N,) long: the prefix each row continues."""
 
     @property
     def num_tokens(self) -> int:
         """Tokens this layout forwards, padding included."""
-        return self.prompts.numel() + self.responses.numel()
+        return self.prefixes.numel() + self.rows.numel()
 
 
 def plan_shared_prompts(packed: PackedBatch) -> SharedPrompts | None:
@@ -51,33 +53,31 @@ def plan_shared_prompts(packed: PackedBatch) -> SharedPrompts | None:
     starts = packed.cu_seqlens[:-1].tolist()
     ends = packed.cu_seqlens[1:].tolist()
     tokens = packed.input_ids[0]
-    prompt_rows: dict[tuple[int, ...], int] = {}
-    prompts: list[Tensor] = []
-    responses: list[Tensor] = []
+    prefix_index: dict[tuple[int, ...], int] = {}
+    prefixes: list[Tensor] = []
+    rows: list[Tensor] = []
     group: list[int] = []
-    for (start, end), (begin, stop) in zip(
-        zip(starts, ends, strict=True), packed.response_slices, strict=True
-    ):
+    for start, (begin, stop) in zip(starts, packed.response_slices, strict=True):
         if stop == begin:  # no response: nothing of it is read
             continue
-        prompt = tokens[start : begin + 1]  # the last prompt token predicts the first response one
-        row = prompt_rows.setdefault(tuple(prompt.tolist()), len(prompts))
-        if row == len(prompts):
-            prompts.append(prompt)
-        responses.append(tokens[begin + 1 : end - 1])
-        group.append(row)
-    if len(prompts) == len(responses):
+        # `begin` holds the last prompt token, whose logits predict the first response token.
+        prefix = tokens[start:begin]
+        index = prefix_index.setdefault(tuple(prefix.tolist()), len(prefixes))
+        if index == len(prefixes):
+            prefixes.append(prefix)
+        rows.append(tokens[begin:stop])
+        group.append(index)
+    if len(prefixes) == len(rows):
         return None
-    lengths = [end - start for start, end in zip(starts, ends, strict=True)]
     plan = SharedPrompts(
-        prompts=_right_padded(prompts),
-        prompt_lengths=torch.tensor([len(p) for p in prompts]),
-        responses=_right_padded(responses),
-        response_lengths=torch.tensor([len(r) + 1 for r in responses]),
+        prefixes=_right_padded(prefixes),
+        prefix_lengths=torch.tensor([len(p) for p in prefixes]),
+        rows=_right_padded(rows),
+        response_lengths=torch.tensor([len(r) for r in rows]),
         group=torch.tensor(group),
     )
-    per_document = len(lengths) * max(lengths)  # the padded batch packed_logits runs
-    return plan if plan.num_tokens < per_document else None
+    per_document = len(starts) * max(e - s for s, e in zip(starts, ends, strict=True))
+    return plan if plan.num_tokens < per_document else None  # per_document: packed_logits' batch
 
 
 def _right_padded(rows: list[Tensor]) -> Tensor:
@@ -88,49 +88,57 @@ def shared_prompt_logits(model: nn.Module, plan: SharedPrompts, device: torch.de
     """(sum R, V) logits where each response token is predicted, documents in the packed row's
     order: what `packed_logits` gives at `response_positions`."""
     group = plan.group.to(device)
-    prompt_lengths = plan.prompt_lengths.to(device)
-    cache = DynamicCache(config=model.config)
-    # Right padding needs no mask here: causal attention never lets a prompt token see the
-    # padding after it, and the responses' mask below hides the padding's keys.
-    last, row_of_last = torch.unique(plan.prompt_lengths - 1, return_inverse=True)
-    prompt_logits = model(
-        input_ids=plan.prompts.to(device),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=last.to(device),
-    ).logits  # (G, len(last), V)
-    # Each response's first token is predicted at its prompt's last position.
-    prompt_rows = torch.arange(plan.prompts.shape[0], device=device)
-    first = prompt_logits[prompt_rows, row_of_last.to(device)].index_select(0, group)  # (N, V)
-    num_responses, width = plan.responses.shape
-    if width == 0:
-        return first
-    per_response = DynamicCache(config=model.config)
-    for index, layer in enumerate(cache.layers):
-        keys, values = layer.keys.index_select(0, group), layer.values.index_select(0, group)
-        per_response.update(keys, values, index)
-    read = plan.response_lengths.to(device) - 1  # (N,) tokens of each response row
+    prefix_lengths = plan.prefix_lengths.to(device)[group]  # (N,)
+    width = plan.prefixes.shape[1]
+    cache, prefix_logits = None, None
+    if width:
+        prefilled = DynamicCache(config=model.config)
+        # Right padding needs no mask here: causal attention never lets a prefix token see the
+        # padding after it, and the rows' mask below hides the padding's keys. The head runs on
+        # one column only: no loss reads a prefix's logits.
+        prefix_logits = model(
+            input_ids=plan.prefixes.to(device), past_key_values=prefilled, use_cache=True,
+            logits_to_keep=1,
+        ).logits  # fmt: skip
+        cache = DynamicCache(config=model.config)
+        for index, layer in enumerate(prefilled.layers):
+            keys, values = layer.keys.index_select(0, group), layer.values.index_select(0, group)
+            cache.update(keys, values, index)
+    length = plan.rows.shape[1]
+    real = torch.arange(length, device=device) < plan.response_lengths.to(device)[:, None]
     real_keys = torch.cat(
-        [
-            torch.arange(plan.prompts.shape[1], device=device) < prompt_lengths[group, None],
-            torch.arange(width, device=device) < read[:, None],
-        ],
-        dim=1,
+        [torch.arange(width, device=device) < prefix_lengths[:, None], real], dim=1
     )  # (N, P + R): which cached and new keys are real
-    positions = prompt_lengths[group, None] + torch.arange(width, device=device)  # (N, R)
+    positions = prefix_lengths[:, None] + torch.arange(length, device=device)  # (N, R)
     logits = model(
-        input_ids=plan.responses.to(device),
+        input_ids=plan.rows.to(device),
         position_ids=positions,
         attention_mask=real_keys.long(),
-        past_key_values=per_response,
-        use_cache=True,
+        past_key_values=cache,
+        use_cache=cache is not None,
     ).logits  # (N, R, V)
-    # One gather in document order: [first, response rows...] per document.
-    rows = torch.arange(num_responses, device=device).unsqueeze(1)  # (N, 1)
-    columns = torch.arange(width, device=device)  # (R,)
-    order = torch.cat([rows, num_responses + rows * width + columns], dim=1)  # (N, 1 + R)
-    real = torch.arange(1 + width, device=device) <= read[:, None]  # (N, 1 + R)
-    return torch.cat([first, logits.reshape(-1, logits.shape[-1])])[order[real]]
+    wanted = logits[real]  # one boolean gather, row-major: the documents in order
+    return wanted if prefix_logits is None else _ZeroGradTo.apply(wanted, prefix_logits)
+
+
+class _ZeroGradTo(torch.autograd.Function):
+    """`x` as it is, with `anchor` made part of its graph (its gradient: zeros).
+
+    The prefix's gradient reaches its layers through the keys and values the rows read, never
+    through the last layer's output. FSDP2 gathers a layer's parameters for its backward when
+    the gradient reaches that output, so without this the last layer's backward would find its
+    parameters resharded (--fsdp-gather micro_batch). Zeros, not `0 * anchor`: that is NaN
+    wherever the anchor is not finite."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, anchor: Tensor) -> Tensor:
+        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        zeros = grad.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+        return grad, zeros
 
 
 def prompt_sharing_unsupported(
