@@ -75,7 +75,7 @@ def test_shared_prompt_logits_and_gradients_equal_per_document_ones(
         (r for _, r in trained), default=0
     )
     per_document = len(tokens) * max(map(len, tokens))
-    worth_it = len(prefixes) < len(trained) and shared_tokens < per_document
+    worth_it = len(prefixes) < len(trained) and shared_tokens < per_document and any(prefixes)
     assert (plan is not None) == worth_it
     if plan is None:
         return
@@ -106,13 +106,16 @@ def test_shared_prompt_logits_and_gradients_equal_per_document_ones(
         assert (grad - want_grad).abs().max() <= 1e-5 * want_grad.abs().max()
 
 
-def grouped_batch(samples: int = SAMPLES, group_size: int = 8, seed: int = 0) -> dict[str, list]:
-    """A rollout of GRPO groups: `group_size` consecutive samples answer one prompt."""
+def grouped_batch(
+    samples: int = SAMPLES, group_size: int = 8, seed: int = 0, *, unique_odd_rows: bool = False
+) -> dict[str, list]:
+    """A rollout of GRPO groups: `group_size` consecutive samples answer one prompt;
+    `unique_odd_rows`: every odd row has a prompt of its own (rank 1 of 2 then shares none)."""
     rng = random.Random(seed)
     batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
     batch.update(loss_masks=[], rewards=[])
     for index in range(samples):
-        if index % group_size == 0:
+        if index % group_size == 0 or (unique_odd_rows and index % 2):
             prompt = [rng.randrange(256) for _ in range(rng.randint(3, 7))]
         response = [rng.randrange(256) for _ in range(rng.randint(1, 8))]
         mask = [1] * len(response)
@@ -138,8 +141,13 @@ def _train_with_shared_prompts(rank: int, checkpoint: Path) -> list[dict]:
         return shared_logits(*args, **kwargs)
 
     engine_module.shared_prompt_logits = counting
-    batch, results = grouped_batch(), []
-    for gather in ("micro_batch", "step"):
+    results = []
+    for gather, batch in [
+        ("micro_batch", grouped_batch()),
+        ("step", grouped_batch()),
+        # Rank 0's micro-batches could share, rank 1's cannot: neither may (a deadlock else).
+        ("micro_batch", grouped_batch(unique_odd_rows=True)),
+    ]:
         args = make_args(checkpoint, use_dynamic_batch_size=True, max_tokens_per_gpu=128,
                          fsdp_gather=gather, loss={"use_kl_loss": True, "kl_loss_coef": 0.5})  # fmt: skip
         actor, _ = make_actor(rank, 2, args, with_ref=True)
@@ -147,7 +155,7 @@ def _train_with_shared_prompts(rank: int, checkpoint: Path) -> list[dict]:
         calls.clear()
         metrics = actor.train(0, local_shard(batch, rank, 2))
         if rank != 0:
-            results.append({})
+            results.append({"shared_forwards": len(calls)})
             continue
         ref_grads, ref_norms, _ = reference_training(args, batch)
         results.append({
@@ -164,11 +172,13 @@ def _train_with_shared_prompts(rank: int, checkpoint: Path) -> list[dict]:
 
 def test_fsdp_steps_with_shared_prompts_equal_a_per_document_reference(tmp_path):
     checkpoint = build_checkpoint(tmp_path / "ckpt")
-    rank0 = run_distributed(_train_with_shared_prompts, 2, checkpoint, timeout_s=240)[0]
+    rank0, rank1 = run_distributed(_train_with_shared_prompts, 2, checkpoint, timeout_s=240)
+    # Two optimizer steps, each one micro-batch per rank of 4 samples of one prompt; the policy
+    # (KL to the reference model) and the reference model both forward it shared. Where rank 1
+    # holds no shared prompt, no rank shares.
+    assert [case["shared_forwards"] for case in rank0] == [4, 4, 0]
+    assert [case["shared_forwards"] for case in rank1] == [4, 4, 0]
     for case in rank0:
-        # Two optimizer steps, each one micro-batch per rank of 4 samples of one prompt; the
-        # policy (KL to the reference model) and the reference model both forward it shared.
-        assert case["shared_forwards"] == 4, case
         torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-4, atol=0)
         assert max(case["grad_diff"]) < 1e-4, case
 

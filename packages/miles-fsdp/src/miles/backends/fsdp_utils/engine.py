@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -35,6 +36,7 @@ from miles.backends.fsdp_utils.moe_stats import MoEStats
 from miles.backends.fsdp_utils.parallel import build_fsdp_meshes, create_fsdp_parallel_state
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
 from miles.backends.fsdp_utils.prompt_sharing import (
+    SharedPrompts,
     plan_shared_prompts,
     prompt_sharing_unsupported,
     shared_prompt_logits,
@@ -43,8 +45,14 @@ from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
 from miles.backends.training_utils.data import get_batch, token_rows
-from miles.backends.training_utils.device import empty_cache, get_device_info, synchronize
+from miles.backends.training_utils.device import (
+    collective_device,
+    empty_cache,
+    get_device_info,
+    synchronize,
+)
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.packing import PackedBatch
 from miles.backends.training_utils.rollout_data import RolloutBatch
 from miles.backends.training_utils.routing_replay import moe_routers
 from miles.backends.training_utils.train_engine import (
@@ -187,7 +195,7 @@ class FSDPEngine:
                 real = real_tokens(packed, runs_as_one_row(model, self.args.attn_implementation))
                 stack.enter_context(self.moe.measuring(real, into=moe))
             positions = response_positions(packed)  # (sum R,)
-            shared = plan_shared_prompts(packed) if self.share_prompts else None
+            shared = self._shared_prompts(packed)
             if shared is not None:
                 logits = shared_prompt_logits(model, shared, self.device)  # (sum R, V)
             else:
@@ -207,6 +215,19 @@ class FSDPEngine:
         if not scored:
             return log_probs, entropy, None
         return log_probs[:, 0], entropy, log_probs[:, 1:]
+
+    def _shared_prompts(self, packed: PackedBatch) -> SharedPrompts | None:
+        """The micro-batch's shared-prompt layout where every rank has one. A layout forwards
+        the model twice, and each forward runs FSDP's per-layer collectives: a rank alone on
+        it would leave the others waiting on gathers they never make."""
+        if not self.share_prompts:
+            return None
+        plan = plan_shared_prompts(packed)
+        if self.dp_size == 1:
+            return plan
+        every_rank = torch.tensor([plan is not None], device=collective_device(self.dp_group))
+        dist.all_reduce(every_rank, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return plan if bool(every_rank) else None
 
     def forward_log_probs(
         self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False

@@ -30,7 +30,7 @@ class SharedPrompts:
     response (N rows, in the packed row's order)."""
 
     prefixes: Tensor
-    """(G, P) long: each distinct prompt but its last token, right-padded; P may be 0."""
+    """(G, P) long: each distinct prompt but its last token, right-padded (P >= 1)."""
     prefix_lengths: Tensor
     """(G,) long."""
     rows: Tensor
@@ -67,8 +67,8 @@ def plan_shared_prompts(packed: PackedBatch) -> SharedPrompts | None:
             prefixes.append(prefix)
         rows.append(tokens[begin:stop])
         group.append(index)
-    if len(prefixes) == len(rows):
-        return None
+    if len(prefixes) == len(rows) or not any(len(prefix) for prefix in prefixes):
+        return None  # nothing forwarded once that was forwarded per document before
     plan = SharedPrompts(
         prefixes=_right_padded(prefixes),
         prefix_lengths=torch.tensor([len(p) for p in prefixes]),
@@ -90,20 +90,18 @@ def shared_prompt_logits(model: nn.Module, plan: SharedPrompts, device: torch.de
     group = plan.group.to(device)
     prefix_lengths = plan.prefix_lengths.to(device)[group]  # (N,)
     width = plan.prefixes.shape[1]
-    cache, prefix_logits = None, None
-    if width:
-        prefilled = DynamicCache(config=model.config)
-        # Right padding needs no mask here: causal attention never lets a prefix token see the
-        # padding after it, and the rows' mask below hides the padding's keys. The head runs on
-        # one column only: no loss reads a prefix's logits.
-        prefix_logits = model(
-            input_ids=plan.prefixes.to(device), past_key_values=prefilled, use_cache=True,
-            logits_to_keep=1,
-        ).logits  # fmt: skip
-        cache = DynamicCache(config=model.config)
-        for index, layer in enumerate(prefilled.layers):
-            keys, values = layer.keys.index_select(0, group), layer.values.index_select(0, group)
-            cache.update(keys, values, index)
+    prefilled = DynamicCache(config=model.config)
+    # Right padding needs no mask here: causal attention never lets a prefix token see the
+    # padding after it, and the rows' mask below hides the padding's keys. The head runs on
+    # one column only: no loss reads a prefix's logits.
+    prefix_logits = model(
+        input_ids=plan.prefixes.to(device), past_key_values=prefilled, use_cache=True,
+        logits_to_keep=1,
+    ).logits  # fmt: skip
+    cache = DynamicCache(config=model.config)
+    for index, layer in enumerate(prefilled.layers):
+        keys, values = layer.keys.index_select(0, group), layer.values.index_select(0, group)
+        cache.update(keys, values, index)
     length = plan.rows.shape[1]
     real = torch.arange(length, device=device) < plan.response_lengths.to(device)[:, None]
     real_keys = torch.cat(
@@ -115,10 +113,10 @@ def shared_prompt_logits(model: nn.Module, plan: SharedPrompts, device: torch.de
         position_ids=positions,
         attention_mask=real_keys.long(),
         past_key_values=cache,
-        use_cache=cache is not None,
+        use_cache=True,
     ).logits  # (N, R, V)
     wanted = logits[real]  # one boolean gather, row-major: the documents in order
-    return wanted if prefix_logits is None else _ZeroGradTo.apply(wanted, prefix_logits)
+    return _ZeroGradTo.apply(wanted, prefix_logits)
 
 
 class _ZeroGradTo(torch.autograd.Function):
