@@ -109,7 +109,9 @@ class FSDPEngine:
         self.moe = self._moe_stats(args)
         self.share_prompts = args.share_prompt_forward and self._can_share_prompts(args)
         gather = args.fsdp_gather
-        self.gather_per_step = gather == "step" or (gather == "auto" and device.type == "cpu")
+        self.gather_per_step = isinstance(self.model, FSDPModule) and (
+            gather == "step" or (gather == "auto" and device.type == "cpu")
+        )
         # --ref-load: a reference model other than the start checkpoint.
         self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
         self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
