@@ -142,14 +142,17 @@ def _train_with_shared_prompts(rank: int, checkpoint: Path) -> list[dict]:
 
     engine_module.shared_prompt_logits = counting
     results = []
-    for gather, batch in [
-        ("micro_batch", grouped_batch()),
-        ("step", grouped_batch()),
+    for fsdp, batch in [
+        ({"fsdp_gather": "micro_batch"}, grouped_batch()),
+        ({"fsdp_gather": "step"}, grouped_batch()),
         # Rank 0's micro-batches could share, rank 1's cannot: neither may (a deadlock else).
-        ("micro_batch", grouped_batch(unique_odd_rows=True)),
+        ({"fsdp_gather": "micro_batch"}, grouped_batch(unique_odd_rows=True)),
+        # transformers turns the KV cache off under activation checkpointing: the policy forwards
+        # per document, the reference model (never checkpointed) still shares.
+        ({"gradient_checkpointing": True}, grouped_batch()),
     ]:
         args = make_args(checkpoint, use_dynamic_batch_size=True, max_tokens_per_gpu=128,
-                         fsdp_gather=gather, loss={"use_kl_loss": True, "kl_loss_coef": 0.5})  # fmt: skip
+                         loss={"use_kl_loss": True, "kl_loss_coef": 0.5}, **fsdp)  # fmt: skip
         actor, _ = make_actor(rank, 2, args, with_ref=True)
         captured = capture_full_grads(actor)
         calls.clear()
@@ -173,11 +176,11 @@ def _train_with_shared_prompts(rank: int, checkpoint: Path) -> list[dict]:
 def test_fsdp_steps_with_shared_prompts_equal_a_per_document_reference(tmp_path):
     checkpoint = build_checkpoint(tmp_path / "ckpt")
     rank0, rank1 = run_distributed(_train_with_shared_prompts, 2, checkpoint, timeout_s=240)
-    # Two optimizer steps, each one micro-batch per rank of 4 samples of one prompt; the policy
-    # (KL to the reference model) and the reference model both forward it shared. Where rank 1
-    # holds no shared prompt, no rank shares.
-    assert [case["shared_forwards"] for case in rank0] == [4, 4, 0]
-    assert [case["shared_forwards"] for case in rank1] == [4, 4, 0]
+    # Per rollout: the reference model's log-probs, the old policy's (two optimizer steps), two
+    # steps; each one micro-batch per rank of 4 samples of one prompt. Where rank 1 holds no
+    # shared prompt, no rank shares; with checkpointing only the reference model does.
+    assert [case["shared_forwards"] for case in rank0] == [4, 4, 0, 1]
+    assert [case["shared_forwards"] for case in rank1] == [4, 4, 0, 1]
     for case in rank0:
         torch.testing.assert_close(case["norms"], case["ref_norms"], rtol=1e-4, atol=0)
         assert max(case["grad_diff"]) < 1e-4, case

@@ -107,7 +107,6 @@ class FSDPEngine:
             else None
         )
         self.moe = self._moe_stats(args)
-        self.share_prompts = args.share_prompt_forward and self._can_share_prompts(args)
         gather = args.fsdp_gather
         self.gather_per_step = isinstance(self.model, FSDPModule) and (
             gather == "step" or (gather == "auto" and device.type == "cpu")
@@ -115,6 +114,12 @@ class FSDPEngine:
         # --ref-load: a reference model other than the start checkpoint.
         self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
         self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
+        # --ref-load may name another architecture than the policy's: each model says for itself.
+        self.sharing_models = {
+            id(model)
+            for model in (self.model, self.ref_model)
+            if model is not None and args.share_prompt_forward and _can_share_prompts(model, args)
+        }
         # foreach: one multi-tensor update instead of a Python loop over the parameters, torch's
         # default on GPUs but not on CPU, where the loop was 12% of a small model's step.
         self.optimizer = torch.optim.AdamW(
@@ -164,18 +169,6 @@ class FSDPEngine:
             coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         return MoEStats(self.model, coef)
 
-    def _can_share_prompts(self, args: FSDPArgs) -> bool:
-        why_not = prompt_sharing_unsupported(
-            self.model,
-            attn_implementation=args.attn_implementation,
-            gradient_checkpointing=args.gradient_checkpointing,
-            moe=bool(moe_routers(self.model)),
-            packs_one_row=runs_as_one_row(self.model, args.attn_implementation),
-        )
-        if why_not is not None:
-            logger.info("--share-prompt-forward: each sample forwards its prompt: %s", why_not)
-        return why_not is None
-
     # -- forward and backward -----------------------------------------------------------------
 
     def _log_probs(
@@ -197,7 +190,7 @@ class FSDPEngine:
                 real = real_tokens(packed, runs_as_one_row(model, self.args.attn_implementation))
                 stack.enter_context(self.moe.measuring(real, into=moe))
             positions = response_positions(packed)  # (sum R,)
-            shared = self._shared_prompts(packed)
+            shared = self._shared_prompts(model, packed)
             if shared is not None:
                 logits = shared_prompt_logits(model, shared, self.device)  # (sum R, V)
             else:
@@ -218,11 +211,11 @@ class FSDPEngine:
             return log_probs, entropy, None
         return log_probs[:, 0], entropy, log_probs[:, 1:]
 
-    def _shared_prompts(self, packed: PackedBatch) -> SharedPrompts | None:
+    def _shared_prompts(self, model: nn.Module, packed: PackedBatch) -> SharedPrompts | None:
         """The micro-batch's shared-prompt layout where every rank has one. A layout forwards
         the model twice, and each forward runs FSDP's per-layer collectives: a rank alone on
         it would leave the others waiting on gathers they never make."""
-        if not self.share_prompts:
+        if id(model) not in self.sharing_models:
             return None
         plan = plan_shared_prompts(packed)
         if self.dp_size == 1:
@@ -400,6 +393,19 @@ class FSDPEngine:
                         state[key] = value.to(device, non_blocking=True)
         synchronize()
         empty_cache()
+
+
+def _can_share_prompts(model: nn.Module, args: FSDPArgs) -> bool:
+    why_not = prompt_sharing_unsupported(
+        model,
+        attn_implementation=args.attn_implementation,
+        gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+        moe=bool(moe_routers(model)),
+        packs_one_row=runs_as_one_row(model, args.attn_implementation),
+    )
+    if why_not is not None:
+        logger.info("--share-prompt-forward: each sample forwards its prompt: %s", why_not)
+    return why_not is None
 
 
 def _local(tensor: Tensor) -> Tensor:
