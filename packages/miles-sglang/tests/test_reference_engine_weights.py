@@ -16,6 +16,7 @@ from miles.backends.sglang_utils.client import SyncEngineClient
 from miles.backends.sglang_utils.weight_sync import (
     DistributedWeightSender,
     TensorWeightSender,
+    distributed_load_format,
     serialize_named_tensors,
 )
 
@@ -98,7 +99,8 @@ def test_update_from_disk_loads_the_checkpoint_and_bumps_the_version(
     assert int(version) == int(before) + 1
 
 
-def test_update_from_distributed_broadcast_group_on_gloo(fresh_engine, sender_model):
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_from_distributed_broadcast_group_on_gloo(fresh_engine, sender_model, load_format):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -107,10 +109,11 @@ def test_update_from_distributed_broadcast_group_on_gloo(fresh_engine, sender_mo
             [client],
             master_address="127.0.0.1",
             master_port=port,
-            group_name="miles-test",
+            group_name=f"miles-test-{load_format}",
             backend="gloo",
             max_bytes=128 * 1024,
             dtype=torch.float32,
+            load_format=load_format,
         )
         try:
             sender.connect()
@@ -118,6 +121,24 @@ def test_update_from_distributed_broadcast_group_on_gloo(fresh_engine, sender_mo
             assert _assert_engine_matches(fresh_engine, sender_model) == "3"
         finally:
             sender.close()
+
+
+def test_the_engine_says_it_reads_flat_buckets_and_refuses_one_of_two_dtypes(engine_url):
+    with SyncEngineClient(engine_url) as client:
+        assert distributed_load_format([client]) == "flattened_bucket"
+
+    class SilentEngine:  # what an SGLang server's info says of load formats: nothing
+        def get_server_info(self):
+            return {"version": "0.5.0"}
+
+    with SyncEngineClient(engine_url) as client:
+        assert distributed_load_format([client, SilentEngine()]) is None
+    # A flat bucket of two dtypes cannot be laid out; refused before any broadcast is awaited.
+    body = {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[1], [1]],
+            "group_name": "none", "load_format": "flattened_bucket"}  # fmt: skip
+    response = httpx.post(f"{engine_url}/update_weights_from_distributed", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "one dtype" in response.json()["message"]
 
 
 def test_bad_updates_are_refused_and_change_nothing(engine_url, tiny_checkpoint):

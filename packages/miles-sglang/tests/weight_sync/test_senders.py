@@ -19,6 +19,7 @@ from miles.backends.sglang_utils.weight_sync import (
     deserialize_flattened_bucket,
     deserialize_named_tensors,
     load_named_tensors,
+    receive_flattened,
     receive_tensors,
     unflatten_bucket,
 )
@@ -133,7 +134,8 @@ def _engine_main(conn, seed: int, refuse: str | None) -> None:
             # Plain pickle copies the data: conn.send would share it by a handle of this process.
             conn.send_bytes(pickle.dumps((model.state_dict(), calls)))
             return
-        calls.append((action, kwargs.get("flush_cache"), kwargs.get("weight_version")))
+        calls.append((action, kwargs.get("flush_cache"), kwargs.get("weight_version"),
+                      kwargs.get("load_format"), len(kwargs.get("names", ()))))  # fmt: skip
         if action == refuse:
             conn.send({"success": False, "message": f"engine refuses {action}"})
             continue
@@ -145,9 +147,8 @@ def _engine_main(conn, seed: int, refuse: str | None) -> None:
                 )
             elif action == "update_weights_from_distributed":
                 group = groups[kwargs["group_name"]]
-                named = receive_tensors(
-                    group, kwargs["names"], kwargs["dtypes"], kwargs["shapes"], "cpu"
-                )
+                receive = receive_flattened if kwargs.get("load_format") else receive_tensors
+                named = receive(group, kwargs["names"], kwargs["dtypes"], kwargs["shapes"], "cpu")
                 load_named_tensors(model, named)
             elif action == "destroy_weights_update_group":
                 groups.pop(kwargs["group_name"]).destroy()
@@ -176,11 +177,11 @@ class PipeEngine:
                          group_name=group_name, backend=backend)  # fmt: skip
 
     def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name, flush_cache, weight_version
+        self, names, dtypes, shapes, group_name, flush_cache, weight_version, **load_format
     ):
         return self._ask("update_weights_from_distributed", names=names, dtypes=dtypes,
                          shapes=shapes, group_name=group_name, flush_cache=flush_cache,
-                         weight_version=weight_version)  # fmt: skip
+                         weight_version=weight_version, **load_format)  # fmt: skip
 
     def destroy_weights_update_group(self, group_name):
         return self._ask("destroy_weights_update_group", group_name=group_name)
@@ -216,20 +217,28 @@ def _sender(engines, **overrides) -> DistributedWeightSender:
     return DistributedWeightSender(engines, **{**settings, **overrides})
 
 
-def test_distributed_sender_broadcasts_every_bucket_to_every_engine():
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_distributed_sender_broadcasts_every_bucket_to_every_engine(load_format):
     trainer = _model(1)
+    names = list(trainer.state_dict())
     with engine_processes(2) as engines:
-        sender = _sender(engines)
+        # One bucket for the whole model: bf16 weights and an int64 buffer in it.
+        sender = _sender(engines, load_format=load_format, max_bytes=1 << 20)
         assert sender.world_size == 3
         with sender:
             count = sender.send(trainer.state_dict().items(), weight_version="4")
         results = [engine.stop() for engine in engines]
-    assert count > 2
+    assert count == 1
     for rank, (state, calls) in enumerate(results, start=1):
         _assert_state(state, _expected(trainer))
         updates = [c for c in calls if c[0] == "update_weights_from_distributed"]
-        assert [flush for _, flush, _ in updates] == [False] * (count - 1) + [True]
-        assert {version for _, _, version in updates} == {"4"}
+        assert {version for _, _, version, _, _ in updates} == {"4"}
+        assert [flush for _, flush, _, _, _ in updates] == [False] * (len(updates) - 1) + [True]
+        # Flat: one call (one broadcast) per dtype, in order of appearance (the int64 buffer is
+        # the root module's, first); else one call for every tensor.
+        tensors = [n for _, _, _, _, n in updates]
+        assert tensors == ([1, len(names) - 1] if load_format else [len(names)]), rank
+        assert {fmt for _, _, _, fmt, _ in updates} == {load_format}
         assert [c[0] for c in calls][0 :: len(calls) - 1] == [
             "init_weights_update_group",
             "destroy_weights_update_group",

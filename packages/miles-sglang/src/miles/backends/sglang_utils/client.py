@@ -478,8 +478,10 @@ class EngineClient:
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
-        """POST /update_weights_from_distributed: receive these tensors from the broadcast."""
+        """POST /update_weights_from_distributed: receive these tensors from the broadcast, one by
+        one, or (`load_format="flattened_bucket"`) as one flat tensor."""
         payload = {
             "names": names,
             "dtypes": [_dtype_name(dtype) for dtype in dtypes],
@@ -487,6 +489,7 @@ class EngineClient:
             "group_name": group_name,
             "flush_cache": flush_cache,
             "weight_version": weight_version,
+            "load_format": load_format,
         }
         return await self._post_update("/update_weights_from_distributed", _drop_none(payload))
 

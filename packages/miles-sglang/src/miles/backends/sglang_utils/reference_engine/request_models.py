@@ -110,6 +110,7 @@ class DistributedUpdateBody(ControlBody):
     shapes: list[list[Annotated[StrictInt, Field(ge=0)]]]
     group_name: StrictStr
     weight_version: StrictStr | None = None
+    load_format: Literal["flattened_bucket"] | None = None
 
 
 class GroupBody(ControlBody):

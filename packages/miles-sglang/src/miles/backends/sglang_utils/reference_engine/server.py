@@ -62,6 +62,7 @@ from miles.backends.sglang_utils.reference_engine.serving import (
 )
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager, check_tags
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
+from miles.backends.sglang_utils.weight_sync import DISTRIBUTED_LOAD_FORMATS, FLATTENED_BUCKET
 from miles.backends.training_utils.device import get_torch_device
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,7 @@ class ReferenceEngine:
             weight_version=self.scheduler.weight_version,
             context_length=self.context_length,
             max_total_num_tokens=self.context_length * self.config.max_running_requests,
+            **{DISTRIBUTED_LOAD_FORMATS: [FLATTENED_BUCKET]},
             internal_states=[
                 {
                     "num_running": self.scheduler.num_running,

@@ -20,11 +20,13 @@ from safetensors.torch import load_file, save_file
 from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.weight_sync import (
+    FLATTENED_BUCKET,
     WeightUpdateError,
     create_weight_update_group,
     deserialize_flattened_bucket,
     deserialize_named_tensors,
     load_named_tensors,
+    receive_flattened,
     receive_tensors,
     unflatten_bucket,
 )
@@ -142,17 +144,27 @@ class WeightManager:
         shapes: list[list[int]],
         group_name: str,
         weight_version: str | None,
+        load_format: str | None = None,
     ) -> str:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise InvalidRequestError(
                 f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have equal lengths"
+            )
+        if load_format == FLATTENED_BUCKET and len({*dtypes}) != 1:
+            # Refused before the broadcast, which the trainer then stops waiting on.
+            raise InvalidRequestError(
+                f"a flattened bucket holds tensors of one dtype, got {sorted({*dtypes})}; send "
+                "one update per dtype"
             )
         group = self.groups.get(group_name)
         if group is None:
             raise InvalidRequestError(
                 f"no weight update group {group_name!r}; call /init_weights_update_group first"
             )
-        named = receive_tensors(group, names, dtypes, shapes, self.device)
+        if load_format == FLATTENED_BUCKET:
+            named = receive_flattened(group, names, dtypes, shapes, self.device)
+        else:
+            named = receive_tensors(group, names, dtypes, shapes, self.device)
         return self._load(named, weight_version)
 
     def destroy_group(self, group_name: str) -> str:

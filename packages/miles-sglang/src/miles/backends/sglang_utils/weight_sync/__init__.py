@@ -22,9 +22,12 @@ from miles.backends.sglang_utils.weight_sync.buckets import (
     unflatten_bucket,
 )
 from miles.backends.sglang_utils.weight_sync.distributed_transport import (
+    DISTRIBUTED_LOAD_FORMATS,
+    FLATTENED_BUCKET,
     WeightUpdateGroup,
     broadcast_tensors,
     create_weight_update_group,
+    receive_flattened,
     receive_tensors,
 )
 from miles.backends.sglang_utils.weight_sync.loader import WeightUpdateError, load_named_tensors
@@ -45,11 +48,14 @@ from miles.backends.sglang_utils.weight_sync.updaters import (
     UpdateWeightFromDistributed,
     UpdateWeightFromTensor,
     WeightUpdater,
+    distributed_load_format,
     engine_urls_for_rank,
     make_weight_updater,
 )
 
 __all__ = [
+    "DISTRIBUTED_LOAD_FORMATS",
+    "FLATTENED_BUCKET",
     "DistributedWeightSender",
     "FlattenedBucket",
     "TensorMeta",
@@ -65,6 +71,7 @@ __all__ = [
     "create_weight_update_group",
     "deserialize_flattened_bucket",
     "deserialize_named_tensors",
+    "distributed_load_format",
     "dtype_from_name",
     "dtype_name",
     "engine_urls_for_rank",
@@ -73,6 +80,7 @@ __all__ = [
     "iter_buckets_with_last",
     "load_named_tensors",
     "make_weight_updater",
+    "receive_flattened",
     "receive_tensors",
     "serialize_flattened_bucket",
     "serialize_named_tensors",

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.sglang_utils.weight_sync.buckets import NamedTensors, dtype_from_name
+from miles.backends.sglang_utils.weight_sync.buckets import (
+    FlattenedBucket,
+    NamedTensors,
+    TensorMeta,
+    dtype_from_name,
+    dtype_name,
+    unflatten_bucket,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +172,53 @@ def broadcast_tensors(
         work.wait()
 
 
+FLATTENED_BUCKET = "flattened_bucket"
+"""The `load_format` of /update_weights_from_distributed under which an update travels as one
+broadcast: its tensors (one dtype) flattened end to end in the order of `names`, the layout of
+SGLang's `FlattenedTensorBucket` (sgl-project/sglang#13824), against one broadcast per tensor."""
+
+
+DISTRIBUTED_LOAD_FORMATS = "update_weights_from_distributed_load_formats"
+"""The /get_server_info key under which an engine lists the `load_format`s its
+/update_weights_from_distributed reads besides one broadcast per tensor (the reference engine:
+`FLATTENED_BUCKET`). SGLang does not list them, whatever its release reads."""
+
+
+def receive_flattened(
+    group: WeightUpdateGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str | torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> NamedTensors:
+    """Receiving side of a `FLATTENED_BUCKET` update (one dtype, as senders send it): one
+    broadcast into one buffer, then a view per tensor, in the order of `names`."""
+    _check_lengths(names, dtypes, shapes)
+    kinds = {dtype_name(dtype_from_name(dtype)) for dtype in dtypes}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"a flattened bucket holds tensors of one dtype, got {sorted(kinds)}; send one "
+            "update per dtype"
+        )
+    kind = kinds.pop()
+    metadata, offset = [], 0
+    for name, shape in zip(names, shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        metadata.append(TensorMeta(name, kind, tuple(shape), offset, numel))
+        offset += numel
+    flat = torch.empty(offset, dtype=dtype_from_name(kind), device=device)
+    group.broadcast(flat, src=0)
+    return unflatten_bucket(FlattenedBucket(flat={kind: flat}, metadata=metadata))
+
+
+def _check_lengths(names: Sequence, dtypes: Sequence, shapes: Sequence) -> None:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
+            "must have equal lengths"
+        )
+
+
 def receive_tensors(
     group: WeightUpdateGroup,
     names: Sequence[str],
@@ -173,11 +227,7 @@ def receive_tensors(
     device: torch.device | str,
 ) -> NamedTensors:
     """Receiving side (an engine): allocate each tensor and receive it, in the order of `names`."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
-            "must have equal lengths"
-        )
+    _check_lengths(names, dtypes, shapes)
     tensors = [
         torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
         for dtype, shape in zip(dtypes, shapes, strict=True)

@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.sglang_utils.client import EngineTimeouts
+from miles.backends.sglang_utils.weight_sync.distributed_transport import (
+    DISTRIBUTED_LOAD_FORMATS,
+    FLATTENED_BUCKET,
+)
 from miles.backends.sglang_utils.weight_sync.senders import (
     DistributedWeightSender,
     TensorWeightSender,
@@ -246,8 +250,9 @@ class UpdateWeightFromDistributed(WeightUpdater):
             # Picked right before the group forms, so the port is still free when it binds.
             group["master_port"] = group["master_port"] or _free_port(group["master_address"])
             sender = DistributedWeightSender(
-                self.clients, **group, max_bytes=self.buffer_size, dtype=self.dtype
-            )
+                self.clients, **group, max_bytes=self.buffer_size, dtype=self.dtype,
+                load_format=distributed_load_format(self.clients),
+            )  # fmt: skip
             sender.connect()
             self._sender = sender
         try:
@@ -262,6 +267,17 @@ class UpdateWeightFromDistributed(WeightUpdater):
         sender, self._sender = self._sender, None
         if sender is not None:
             sender.close()
+
+
+def distributed_load_format(clients: Sequence[Any]) -> str | None:
+    """`FLATTENED_BUCKET` where every engine's server info lists it under
+    `DISTRIBUTED_LOAD_FORMATS` (the reference engine's does), else None: one broadcast per
+    tensor, which every SGLang release reads (theirs list nothing; only releases with
+    sgl-project/sglang#13824 read flat buckets)."""
+    for client in clients:
+        if FLATTENED_BUCKET not in client.get_server_info().get(DISTRIBUTED_LOAD_FORMATS, ()):
+            return None
+    return FLATTENED_BUCKET
 
 
 def _free_port(address: str) -> int:
