@@ -25,7 +25,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.modeling import packed_logits, response_positions
-from miles.backends.fsdp_utils.prompt_sharing import plan_shared_prompts, shared_prompt_logits
+from miles.backends.fsdp_utils.prompt_sharing import (
+    padded_batch_tokens,
+    plan_shared_prompts,
+    shared_prompt_logits,
+)
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.backends.training_utils.packing import PackedBatch, pack_sequences
 
@@ -67,9 +71,7 @@ def step_seconds(model, packed: PackedBatch, *, shared: bool, repeats: int):
         log_probs.mean().backward()
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    tokens = plan.num_tokens if shared else len(packed.response_slices) * int(
-        packed.cu_seqlens.diff().max()
-    )  # fmt: skip
+    tokens = plan.num_tokens if shared else padded_batch_tokens(packed)
     return statistics.median(times[1:]), tokens, log_probs.detach()
 
 

@@ -51,7 +51,6 @@ def plan_shared_prompts(packed: PackedBatch) -> SharedPrompts | None:
     """The shared-prompt layout of `packed`, or None where it would not forward fewer tokens
     than the per-document padded batch (no two documents share a prompt, say)."""
     starts = packed.cu_seqlens[:-1].tolist()
-    ends = packed.cu_seqlens[1:].tolist()
     tokens = packed.input_ids[0]
     prefix_index: dict[tuple[int, ...], int] = {}
     prefixes: list[Tensor] = []
@@ -76,8 +75,13 @@ def plan_shared_prompts(packed: PackedBatch) -> SharedPrompts | None:
         response_lengths=torch.tensor([len(r) for r in rows]),
         group=torch.tensor(group),
     )
-    per_document = len(starts) * max(e - s for s, e in zip(starts, ends, strict=True))
-    return plan if plan.num_tokens < per_document else None  # per_document: packed_logits' batch
+    return plan if plan.num_tokens < padded_batch_tokens(packed) else None
+
+
+def padded_batch_tokens(packed: PackedBatch) -> int:
+    """Tokens `packed_logits` forwards for `packed` on sdpa / eager: one row per document, each
+    padded to the longest."""
+    return len(packed.response_slices) * int(packed.cu_seqlens.diff().max())
 
 
 def _right_padded(rows: list[Tensor]) -> Tensor:

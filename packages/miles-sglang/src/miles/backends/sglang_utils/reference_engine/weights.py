@@ -25,6 +25,7 @@ from miles.backends.sglang_utils.weight_sync import (
     create_weight_update_group,
     deserialize_flattened_bucket,
     deserialize_named_tensors,
+    flattened_dtype,
     load_named_tensors,
     receive_flattened,
     receive_tensors,
@@ -150,12 +151,11 @@ class WeightManager:
             raise InvalidRequestError(
                 f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have equal lengths"
             )
-        if load_format == FLATTENED_BUCKET and len({*dtypes}) != 1:
-            # Refused before the broadcast, which the trainer then stops waiting on.
-            raise InvalidRequestError(
-                f"a flattened bucket holds tensors of one dtype, got {sorted({*dtypes})}; send "
-                "one update per dtype"
-            )
+        if load_format == FLATTENED_BUCKET:
+            try:  # refused before the broadcast, which the trainer then stops waiting on
+                flattened_dtype(dtypes)
+            except ValueError as err:
+                raise InvalidRequestError(str(err)) from None
         group = self.groups.get(group_name)
         if group is None:
             raise InvalidRequestError(

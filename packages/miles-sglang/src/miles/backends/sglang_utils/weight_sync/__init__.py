@@ -27,6 +27,7 @@ from miles.backends.sglang_utils.weight_sync.distributed_transport import (
     WeightUpdateGroup,
     broadcast_tensors,
     create_weight_update_group,
+    flattened_dtype,
     receive_flattened,
     receive_tensors,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "dtype_name",
     "engine_urls_for_rank",
     "flatten_bucket",
+    "flattened_dtype",
     "iter_buckets",
     "iter_buckets_with_last",
     "load_named_tensors",

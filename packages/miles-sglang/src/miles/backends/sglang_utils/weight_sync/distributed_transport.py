@@ -194,13 +194,7 @@ def receive_flattened(
     """Receiving side of a `FLATTENED_BUCKET` update (one dtype, as senders send it): one
     broadcast into one buffer, then a view per tensor, in the order of `names`."""
     _check_lengths(names, dtypes, shapes)
-    kinds = {dtype_name(dtype_from_name(dtype)) for dtype in dtypes}
-    if len(kinds) != 1:
-        raise ValueError(
-            f"a flattened bucket holds tensors of one dtype, got {sorted(kinds)}; send one "
-            "update per dtype"
-        )
-    kind = kinds.pop()
+    kind = flattened_dtype(dtypes)
     metadata, offset = [], 0
     for name, shape in zip(names, shapes, strict=True):
         numel = int(torch.Size(shape).numel())
@@ -209,6 +203,17 @@ def receive_flattened(
     flat = torch.empty(offset, dtype=dtype_from_name(kind), device=device)
     group.broadcast(flat, src=0)
     return unflatten_bucket(FlattenedBucket(flat={kind: flat}, metadata=metadata))
+
+
+def flattened_dtype(dtypes: Sequence[str | torch.dtype]) -> str:
+    """The one dtype (its name) of a `FLATTENED_BUCKET` update; ValueError for none or several."""
+    kinds = {dtype_name(dtype_from_name(dtype)) for dtype in dtypes}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"a flattened bucket holds tensors of one dtype, got {sorted(kinds)}; send one "
+            "update per dtype"
+        )
+    return kinds.pop()
 
 
 def _check_lengths(names: Sequence, dtypes: Sequence, shapes: Sequence) -> None:
