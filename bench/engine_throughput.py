@@ -7,12 +7,15 @@ Two workloads, each measured on both in this one run, on a tiny Qwen3 built loca
 - mixed: 64 concurrent requests of mixed prompt and output lengths go to a
   `miles-reference-engine` server (continuous batching: finished sequences leave the batch);
 - groups, the RL loop's shape: 8 prompts of 32-64 tokens, each one request for n=8 samples of 16
-  tokens (a GRPO group; the engine prefills each prompt once and shares it).
+  tokens (a GRPO group; the engine prefills each prompt once and shares it);
+- samples: the same 64 sequences as one request each, as a miles rollout sends them (the server
+  parses them one after the other; the idle engine waits for the burst, `--admission-quiet-ms`).
 
 `generate` gets the same prompts (a group's repeated n times) left-padded into one batch and must
 run until the longest output is done. Both count only the tokens each request asked for. The
-engine runs twice, with its own decode step and with the Hugging Face forward
-(`--disable-fast-decode`), so the script also shows what the engine's decode step is worth.
+engine runs three times: as served, with the Hugging Face forward (`--disable-fast-decode`) and
+admitting requests at once (`--admission-quiet-ms 0`), so the script also shows what the engine's
+decode step and its wait for a burst are worth.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def group_workload(groups: int, group_size: int, seed: int) -> Workload:
         ([rng.randrange(0, 256) for _ in range(rng.randint(32, 64))], 16, group_size)
         for _ in range(groups)
     ]
+
+
+def one_request_per_sample(workload: Workload) -> Workload:
+    return [(prompt, new, 1) for prompt, new, samples in workload for _ in range(samples)]
 
 
 def output_tokens(workload: Workload) -> int:
@@ -110,9 +117,10 @@ def run_generate(model: torch.nn.Module, workload: Workload) -> float:
 
 ENGINE = "miles reference engine"
 HF_DECODE = "  the same, --disable-fast-decode"
+AT_ONCE = "  the same, --admission-quiet-ms 0"
 GENERATE = "transformers generate (padded batch)"
-# Each engine variant, with its server flags; both serve the same workloads in turn.
-ENGINES = {ENGINE: (), HF_DECODE: ("--disable-fast-decode",)}
+# Each engine variant, with its server flags; each serves the same workloads in turn.
+ENGINES = {ENGINE: (), HF_DECODE: ("--disable-fast-decode",), AT_ONCE: ("--admission-quiet-ms", "0")}
 
 
 def main() -> None:
@@ -124,9 +132,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    groups = group_workload(args.groups, args.group_size, args.seed)
     workloads = {
         "mixed": mixed_workload(args.requests, args.seed),
-        "groups": group_workload(args.groups, args.group_size, args.seed),
+        "groups": groups,
+        "samples": one_request_per_sample(groups),
     }
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_tiny_checkpoint(
@@ -160,7 +170,8 @@ def main() -> None:
             print(f"{name:<8} {method:<44} {taken:>9.2f} {tokens / taken:>13.1f}")
         generate_s = by_method[GENERATE]
         print(f"{name:<8} reference engine / generate: {generate_s / by_method[ENGINE]:.2f}x "
-              f"(with the HF decode forward: {generate_s / by_method[HF_DECODE]:.2f}x)")  # fmt: skip
+              f"(with the HF decode forward: {generate_s / by_method[HF_DECODE]:.2f}x, admitting "
+              f"at once: {generate_s / by_method[AT_ONCE]:.2f}x)")  # fmt: skip
     print("where the engine's time went (seconds; outside the loop: HTTP, parsing, waiting):")
     for name, split in splits.items():
         engine_s = seconds[name][ENGINE]

@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=128)
+    parser.add_argument(
+        "--admission-quiet-ms",
+        type=float,
+        default=2.0,
+        help="an idle engine prefills once no request arrived for this long (0: at once)",
+    )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument(
         "--admin-api-key",

@@ -32,6 +32,10 @@ class ReferenceEngineConfig:
     """--context-length: prompt + output limit (default: the model's max_position_embeddings)."""
     max_running_requests: int = 128
     """--max-running-requests: sequences decoded together; more wait in the queue."""
+    admission_quiet_ms: float = 2.0
+    """--admission-quiet-ms: an idle engine starts its first prefill once no request has arrived
+    for this long (at most 50 ms in all), so that a burst (a rollout's samples, each its own
+    request) is prefilled and decoded as one batch; 0 starts on the first request."""
     api_key: str | None = None
     """--api-key: require `Authorization: Bearer <key>` on every request but the health probes."""
     admin_api_key: str | None = None
@@ -66,6 +70,10 @@ class ReferenceEngineConfig:
                             ("--max-request-bytes", self.max_request_bytes)):  # fmt: skip
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.admission_quiet_ms < 0:
+            raise ValueError(
+                f"--admission-quiet-ms must be >= 0 (0 admits at once), got {self.admission_quiet_ms}"
+            )
         if self.api_key is not None and self.api_key == self.admin_api_key:
             raise ValueError("--admin-api-key must differ from --api-key, or it guards nothing")
         if self.context_length is not None and self.context_length < 2:

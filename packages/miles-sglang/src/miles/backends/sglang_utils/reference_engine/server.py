@@ -124,6 +124,7 @@ class ReferenceEngine:
             context_length=self.context_length,
             max_running_requests=config.max_running_requests,
             seed=config.random_seed,
+            admission_quiet_s=config.admission_quiet_ms / 1000,
         )
         self.weights = WeightManager(self.scheduler, self.scheduler.runner.model, self.device)
         self.limits = GenerateLimits(
