@@ -120,7 +120,11 @@ HF_DECODE = "  the same, --disable-fast-decode"
 AT_ONCE = "  the same, --admission-quiet-ms 0"
 GENERATE = "transformers generate (padded batch)"
 # Each engine variant, with its server flags; each serves the same workloads in turn.
-ENGINES = {ENGINE: (), HF_DECODE: ("--disable-fast-decode",), AT_ONCE: ("--admission-quiet-ms", "0")}
+ENGINES = {
+    ENGINE: (),
+    HF_DECODE: ("--disable-fast-decode",),
+    AT_ONCE: ("--admission-quiet-ms", "0"),
+}
 
 
 def main() -> None:
