@@ -21,6 +21,7 @@ from miles.backends.sglang_utils.reference_engine.batch_cache import (
 )
 from miles.backends.sglang_utils.reference_engine.fast_decode import DenseDecoder
 from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
+from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class ModelRunner:
         check_kv_only(model)
         self.model = model.eval().to(device)
         self.device = device
+        transpose_linear_weights(self.model, device)
         self.recorder = RoutedExpertsRecorder(self.model) if record_routed_experts else None
         self.prefill_routed: list[Tensor] = []
         """With a recorder: after a prefill, each prompt's (len(prompt), layers, top_k) experts."""

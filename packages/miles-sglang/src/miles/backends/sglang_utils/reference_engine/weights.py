@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
+from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 from miles.backends.sglang_utils.weight_sync import (
     FLATTENED_BUCKET,
     WeightUpdateError,
@@ -217,6 +218,7 @@ class WeightManager:
         saved = load_file(str(self._offload_file))
         for name, tensor in self._named_tensors():
             tensor.data = saved[name].to(self.device)
+        transpose_linear_weights(self.model, self.device)  # the file holds them row-major
         self._offload_file.unlink(missing_ok=True)
         self._offload_file = None
 
