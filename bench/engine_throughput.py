@@ -8,8 +8,9 @@ Two workloads, each measured on both in this one run, on a tiny Qwen3 built loca
   `miles-reference-engine` server (continuous batching: finished sequences leave the batch);
 - groups, the RL loop's shape: 8 prompts of 32-64 tokens, each one request for n=8 samples of 16
   tokens (a GRPO group; the engine prefills each prompt once and shares it);
-- samples: the same 64 sequences as one request each, as a miles rollout sends them (the server
-  parses them one after the other; the idle engine waits for the burst, `--admission-quiet-ms`).
+- samples: the same 64 sequences as one request each, as a miles rollout sends them behind a
+  router or with a custom generate function (the server parses them one after the other; the
+  idle engine waits for the burst, `--admission-quiet-ms`).
 
 `generate` gets the same prompts (a group's repeated n times) left-padded into one batch and must
 run until the longest output is done. Both count only the tokens each request asked for. The

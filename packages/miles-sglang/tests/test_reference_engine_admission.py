@@ -1,6 +1,6 @@
 """An idle reference engine lets a burst of requests land before its first prefill
-(`--admission-quiet-ms`): a rollout's samples, each its own request, share one prefill of their
-prompt and decode in step, while a stream that never pauses is still served within the cap."""
+(`--admission-quiet-ms`): the sequences of a rollout's requests, parsed one after the other,
+share one prefill of their prompt and decode in step, while a stream that never pauses is still served within the cap."""
 
 from __future__ import annotations
 

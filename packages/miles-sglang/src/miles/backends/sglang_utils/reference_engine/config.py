@@ -34,8 +34,8 @@ class ReferenceEngineConfig:
     """--max-running-requests: sequences decoded together; more wait in the queue."""
     admission_quiet_ms: float = 2.0
     """--admission-quiet-ms: an idle engine starts its first prefill once no request has arrived
-    for this long (at most 50 ms in all), so that a burst (a rollout's samples, each its own
-    request) is prefilled and decoded as one batch; 0 starts on the first request."""
+    for this long (at most 50 ms in all), so that a burst (a rollout's requests, sent at
+    once) is prefilled and decoded as one batch; 0 starts on the first request."""
     api_key: str | None = None
     """--api-key: require `Authorization: Bearer <key>` on every request but the health probes."""
     admin_api_key: str | None = None
