@@ -12,7 +12,8 @@ Only the memory layout changes: shapes, names and values stay, weight updates co
 parameters as before (a strided copy, about 3 ms more for that model's 3.2 M parameters), and a
 parameter replaced wholesale (memory resumed from its offload file) gets the layout again.
 Weights shared with another module (an output head tied to the embedding) keep theirs: the
-embedding reads rows. Accelerators multiply either layout without a copy and are left alone.
+embedding reads rows. Accelerators are left alone: their GEMMs take a transposed operand as it
+is, and the gain was measured on the CPU only.
 """
 
 from __future__ import annotations
