@@ -18,6 +18,8 @@ is, and the gain was measured on the CPU only.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -27,9 +29,7 @@ def transpose_linear_weights(model: nn.Module, device: torch.device) -> int:
     CPU; returns how many weights changed layout."""
     if device.type != "cpu":
         return 0
-    appearances: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        appearances[id(parameter)] = appearances.get(id(parameter), 0) + 1
+    appearances = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     changed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
