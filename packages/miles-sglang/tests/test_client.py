@@ -367,6 +367,38 @@ def test_generate_stream_raises_the_error_chunk(engine):
         run(collect, url)
 
 
+def test_generate_stream_reads_a_chunk_longer_than_a_line_buffer(engine):
+    # A chunk carrying a long answer's log-probs is one SSE line that can pass the bound of
+    # aiohttp's own line reader (512 KiB); it arrives split over many reads and CRLF-terminated.
+    url, state = engine
+    text = "x" * 1_000_000
+
+    def pieces():
+        line = f'data: {{"text": "{text}"}}\r\n\r\ndata: [DONE]\r\n\r\n'.encode()
+        yield from (line[i : i + 70_000] for i in range(0, len(line), 70_000))
+
+    state.script["generate"] = [(200, StreamingResponse(pieces()))]
+
+    async def collect(client: EngineClient) -> list[dict]:
+        return [chunk async for chunk in client.generate_stream({"text": "hi"})]
+
+    assert [len(c["text"]) for c in run(collect, url)] == [len(text)]
+
+
+def test_a_client_used_from_a_second_event_loop_says_so(engine):
+    url, _ = engine
+    client = EngineClient(url)
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        assert first.run_until_complete(client.health())
+        with pytest.raises(RuntimeError, match="second event loop"):
+            second.run_until_complete(client.health())
+        first.run_until_complete(client.aclose())
+    finally:
+        first.close()
+        second.close()
+
+
 def test_failed_weight_update_returns_sglangs_answer_instead_of_raising(engine):
     url, state = engine
     state.script["update_weights_from_tensor"] = [(400, {"success": False, "message": "bad shape"})]
