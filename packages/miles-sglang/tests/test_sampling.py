@@ -3,6 +3,8 @@ sampling_params with clear errors."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -56,9 +58,7 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p(vocab, top_k, top_p, tempera
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     allowed = _allowed(logits, params)
     for draw in range(20):
-        tokens, log_probs = sample_next_tokens(
-            logits[None], [params], [torch.Generator().manual_seed(seed + draw)]
-        )
+        tokens, log_probs = sample_next_tokens(logits[None], [params], [random.Random(seed + draw)])
         assert tokens[0] in allowed
         expected = torch.log_softmax(logits / temperature, -1)[tokens[0]]
         assert log_probs[0] == pytest.approx(float(expected), abs=1e-5)
@@ -74,7 +74,7 @@ def test_draws_follow_the_temperature_scaled_distribution_and_seeds_repeat_them(
     tokens, log_probs = sample_next_tokens(
         logits.expand(rows, -1),
         [params] * rows,
-        [torch.Generator().manual_seed(s) for s in range(rows)],
+        [random.Random(s) for s in range(rows)],
     )
     expected = torch.softmax(logits.double() / 0.7, -1)
     counts = torch.bincount(torch.tensor(tokens), minlength=5).double() / rows
@@ -85,7 +85,7 @@ def test_draws_follow_the_temperature_scaled_distribution_and_seeds_repeat_them(
     mixed, _ = sample_next_tokens(
         torch.stack([torch.zeros(5), logits]),
         [greedy, params],
-        [torch.Generator(), torch.Generator().manual_seed(7)],
+        [random.Random(), random.Random(7)],
     )
     assert mixed == [0, tokens[7]]
 
@@ -94,8 +94,7 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = SamplingParams(temperature=1.0, min_p=0.2)  # keeps p >= 0.1
     seen = {
-        sample_next_tokens(logits[None], [params], [torch.Generator().manual_seed(s)])[0][0]
-        for s in range(300)
+        sample_next_tokens(logits[None], [params], [random.Random(s)])[0][0] for s in range(300)
     }
     assert seen == {0, 1, 2}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 import uuid
@@ -75,7 +76,9 @@ class Request:
     """Set at prefill for a request that `scores_prompt`."""
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    generator: random.Random | None = None
+    """The request's own draws, made at submit from its seed: the same seed gives the same
+    tokens whatever else shares the batch."""
     stop_checker: Callable[[Request], str | None] | None = None
     cached_tokens: int = 0
     """Prompt tokens whose prefill this request shared with another (SGLang's `cached_tokens`)."""
@@ -120,7 +123,7 @@ class Scheduler:
         self.context_length = context_length
         self.max_running_requests = max_running_requests
         self.weight_version = "0"
-        self._seed_source = torch.Generator().manual_seed(seed)
+        self._seed_source = random.Random(seed)
         self._waiting: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._running: list[Request] = []
@@ -144,12 +147,11 @@ class Scheduler:
 
     # ---- entry points (any thread) -------------------------------------------------------
     def submit(self, request: Request) -> None:
-        if request.params.seed is not None:
-            request.generator.manual_seed(request.params.seed)
-        else:
+        seed = request.params.seed
+        if seed is None:
             with self._lock:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            request.generator.manual_seed(seed)
+                seed = self._seed_source.getrandbits(62)
+        request.generator = random.Random(seed)
         self._last_submit = time.monotonic()
         self._waiting.put(request)
         self._wake.set()
