@@ -59,6 +59,9 @@ PROBES = [
     ({**GREEDY, "sampling_params": 5}, "sampling_params", "JSON object"),
     ({"input_ids": [[1, 2], 3]}, "input_ids[0]", "valid integer"),
     (b'{"text": "\xff\xfe"}', None, "not valid JSON"),
+    # A lone UTF-16 surrogate, as an escape and as the bytes that encode it (json takes both).
+    (b'{"text": "a\\ud800"}', None, "surrogate"),
+    (b'{"text": "a\xed\xa0\x80"}', None, "surrogate"),
     (b"[1, 2]", None, "JSON object"),
     ({"text": "hi", "input_ids": [1]}, "text", "exactly one"),
 ]  # fmt: skip
