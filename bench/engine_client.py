@@ -8,6 +8,9 @@ once, each answered with `--samples` SGLang-shaped answers (16 tokens with their
 server answers at once from a canned body (no model), in a separate process as the engine is, so
 the time is the two clients' and the HTTP stack's. Prints the median milliseconds per round of
 each client and their ratio; the first 10% of rounds warm up and are left out.
+
+Then the JSON of one such call, side by side: the standard library against `fast_json` (orjson),
+reading and writing the request body and its answer, microseconds each (median of 2000).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.client import EngineClient
 from miles.backends.sglang_utils.server_process import free_port, http_probe
 
@@ -37,7 +41,7 @@ def canned_answer(samples: int) -> bytes:
         "text": "x" * 40,
         "output_ids": list(range(RESPONSE_TOKENS)),
         "meta_info": {
-            "id": "0" * 32,
+            "id": f"{rng.getrandbits(128):032x}",
             "finish_reason": {"type": "length", "length": RESPONSE_TOKENS},
             "prompt_tokens": 30,
             "completion_tokens": RESPONSE_TOKENS,
@@ -108,6 +112,36 @@ async def with_httpx(url: str, args: argparse.Namespace) -> list[float]:
         return await rounds(call, args)
 
 
+def json_costs(samples: int) -> None:
+    request = json.dumps(payload(samples)).encode()
+    answer = canned_answer(samples)
+    items = json.loads(answer)
+    cases = {
+        "write the request": (
+            lambda: json.dumps(payload(samples)).encode(),
+            lambda: fast_json.dumps(payload(samples)),
+        ),
+        "read the request": (lambda: json.loads(request), lambda: fast_json.loads(request)),
+        "write the answer": (
+            lambda: json.dumps(items).encode(),
+            lambda: fast_json.dumps(items),
+        ),
+        "read the answer": (lambda: json.loads(answer), lambda: fast_json.loads(answer)),
+    }
+    print(f"JSON of one call ({samples} samples), us: {'json':>8} {'fast_json':>10}")
+    for name, (standard, fast) in cases.items():
+        print(f"  {name:26} {_micros(standard):8.1f} {_micros(fast):10.1f}")
+
+
+def _micros(fn: Callable[[], Any], repeats: int = 2000) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
@@ -131,6 +165,7 @@ def main() -> None:
             print(f"{name:24} {medians[name]:7.2f} ms per round of {args.groups} calls")
         ratio = medians["httpx"] / medians["EngineClient (aiohttp)"]
         print(f"EngineClient is {ratio:.2f}x as fast as httpx per round")
+        json_costs(args.samples)
     finally:
         server.terminate()
         server.join()

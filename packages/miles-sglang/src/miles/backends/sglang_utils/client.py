@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import aiohttp
 
+from miles.backends.sglang_utils import fast_json
+
 if TYPE_CHECKING:  # only named in annotations: the client stays importable without loading torch
     import torch
 
@@ -38,6 +40,7 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 # them: the server is alive but slow, and retrying would only multiply the wait.
 _RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _MAX_MESSAGE_CHARS = 2000
+_JSON_BODY = {"Content-Type": "application/json"}
 T = TypeVar("T")
 
 
@@ -72,7 +75,7 @@ class Answer:
         return self.content.decode("utf-8", errors="replace")
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        return fast_json.loads(self.content)
 
     @classmethod
     async def read(cls, response: aiohttp.ClientResponse) -> Answer:
@@ -327,8 +330,11 @@ class EngineClient:
     async def _send(
         self, method: str, endpoint: str, payload: Any, timeout: aiohttp.ClientTimeout
     ) -> Answer:
+        body, headers = None, None
+        if payload is not None:
+            body, headers = fast_json.dumps(payload), _JSON_BODY
         async with self._session().request(
-            method, self.url + endpoint, json=payload, timeout=timeout
+            method, self.url + endpoint, data=body, headers=headers, timeout=timeout
         ) as response:
             return await Answer.read(response)
 
@@ -398,7 +404,10 @@ class EngineClient:
         async with self._generation_slots:
             try:
                 async with self._session().post(
-                    self.url + "/generate", json=body, timeout=timeout
+                    self.url + "/generate",
+                    data=fast_json.dumps(body),
+                    headers=_JSON_BODY,
+                    timeout=timeout,
                 ) as response:
                     if not response.ok:
                         answer = await Answer.read(response)
@@ -615,7 +624,7 @@ async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
         data = line[len(b"data:") :].strip()
         if data == b"[DONE]":
             return
-        yield json.loads(data)
+        yield fast_json.loads(data)
 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
@@ -349,7 +350,8 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             response_item(r, engine.final_text(r), spec, engine.token_texts)
             for r, spec in zip(done, parsed.sequences, strict=True)
         ]
-        return JSONResponse(items if parsed.is_batch else items[0])
+        answer = fast_json.dumps(items if parsed.is_batch else items[0])
+        return Response(answer, media_type="application/json")
 
     @app.get("/health")
     async def health():

@@ -4,11 +4,11 @@ queue sequences on the scheduler with futures for their ends, and notice a clien
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate
 from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
@@ -75,7 +75,7 @@ async def json_body(request: Request, max_bytes: int | None = None) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks) or b"{}"
     try:
-        body = json.loads(raw)
+        body = fast_json.loads(raw)
     except ValueError as err:  # invalid JSON, or bytes that are not UTF-8
         raise InvalidRequestError(f"the body is not valid JSON: {err}") from None
     except RecursionError:
