@@ -333,7 +333,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
             return JSONResponse({"success": False, "message": str(err)}, status_code=400)
         return JSONResponse({"success": True, "message": message})
 
-    @app.post("/generate")
     async def generate(request: Request):
         parsed = await engine.parse(await json_body(request, engine.config.max_request_bytes))
         for spec in parsed.sequences:
@@ -352,6 +351,12 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
         ]
         answer = fast_json.dumps(items if parsed.is_batch else items[0])
         return Response(answer, media_type="application/json")
+
+    # A plain Starlette route: the handler takes the raw request, so FastAPI's per-call work
+    # (dependency solving, exit stacks, telemetry) buys nothing here, and a rollout's requests
+    # are handled one after the other before the first prefill. Exception handlers still apply;
+    # the route is left out of the OpenAPI page.
+    app.add_route("/generate", generate, methods=["POST"])
 
     @app.get("/health")
     async def health():
