@@ -19,11 +19,11 @@ about 3 ms for the e2e benchmark's 64 rows, while decoding a finished row along 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -57,6 +57,19 @@ logger = logging.getLogger(__name__)
 MAX_ADMISSION_WAIT_S = 0.05
 
 
+# Request ids need to be unique, not unguessable: 128 random bits from a generator seeded once
+# from the OS, where uuid4 asks the OS at every call (a syscall per sequence on the event loop
+# while a rollout's requests are parsed).
+_rids = random.Random()
+os.register_at_fork(after_in_child=_rids.seed)  # a forked child draws its own ids
+_rid_bits = _rids.getrandbits
+
+
+def new_rid() -> str:
+    """32 hex digits, the shape of SGLang's uuid4().hex request ids."""
+    return f"{_rid_bits(128):032x}"
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate; `on_event(request, finished)` is called from the loop thread
@@ -65,7 +78,7 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     on_event: Callable[[Request, bool], None]
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = field(default_factory=lambda: new_rid())
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs_num: int = 0
