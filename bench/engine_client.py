@@ -11,6 +11,12 @@ each client and their ratio; the first 10% of rounds warm up and are left out.
 
 Then the JSON of one such call, side by side: the standard library against `fast_json` (orjson),
 reading and writing the request body and its answer, microseconds each (median of 2000).
+
+    uv run python bench/engine_client.py --engine [--seconds 15]
+
+instead sends the same rounds (1 new token per sample) to a reference engine on a tiny Qwen3
+built here, started once with uvicorn's h11 parser and asyncio loop and once with its default
+(httptools and uvloop), one after the other: the median milliseconds per round of each.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import json
 import multiprocessing
 import random
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +39,8 @@ import uvicorn
 
 from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.client import EngineClient
-from miles.backends.sglang_utils.server_process import free_port, http_probe
+from miles.backends.sglang_utils.server_process import ServerProcess, free_port, http_probe
+from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 RESPONSE_TOKENS = 16
 
@@ -142,12 +152,57 @@ def _micros(fn: Callable[[], Any], repeats: int = 2000) -> float:
     return statistics.median(times) * 1e6
 
 
+def against_engines(args: argparse.Namespace) -> None:
+    body = payload(args.samples)
+    for params in body["sampling_params"]:
+        params["max_new_tokens"] = 1
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = build_tiny_checkpoint(Path(scratch) / "model", seed=0)
+        medians = {}
+        for name, flags in (("h11 + asyncio", ["--http", "h11", "--loop", "asyncio"]),
+                            ("httptools + uvloop (default)", [])):  # fmt: skip
+            port = free_port()
+            command = [sys.executable, "-m", "miles.backends.sglang_utils.reference_engine.cli",
+                       "--model-path", str(checkpoint), "--port", str(port),
+                       "--log-level", "warning", *flags]  # fmt: skip
+            engine = ServerProcess(command, name=f"bench-engine-{port}")
+            try:
+                url = f"http://127.0.0.1:{port}"
+                engine.wait_until_ready(f"{url}/health", timeout_s=300)
+                seconds = asyncio.run(timed_rounds(url, body, args))
+            finally:
+                engine.shutdown()
+            medians[name] = statistics.median(seconds) * 1000
+            print(f"{name:30} {medians[name]:7.2f} ms per round of {args.groups} calls "
+                  f"({len(seconds)} rounds)")  # fmt: skip
+        print(
+            f"default / h11 + asyncio: {medians['httptools + uvloop (default)'] / medians['h11 + asyncio']:.2f}"
+        )
+
+
+async def timed_rounds(url: str, body: dict[str, Any], args: argparse.Namespace) -> list[float]:
+    seconds = []
+    async with EngineClient(url) as client:
+        await client.wait_until_healthy(timeout_s=300, poll_s=0.2)
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            await asyncio.gather(*(client.generate(body) for _ in range(args.groups)))
+            seconds.append(time.perf_counter() - start)
+    return seconds[len(seconds) // 10 :]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--groups", type=int, default=8, help="concurrent /generate calls")
     parser.add_argument("--samples", type=int, default=8, help="answers per call")
+    parser.add_argument("--engine", action="store_true", help="against reference engines")
+    parser.add_argument("--seconds", type=float, default=15.0, help="per engine (--engine)")
     args = parser.parse_args()
+    if args.engine:
+        against_engines(args)
+        return
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(
         target=serve, args=(port, args.samples), daemon=True

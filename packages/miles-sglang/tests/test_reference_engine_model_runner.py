@@ -245,13 +245,12 @@ def test_a_model_with_recurrent_gdn_layers_is_refused_naming_its_architecture(
 
 @pytest.mark.parametrize(("flags", "fast"), [((), True), (("--disable-fast-decode",), False)])
 def test_the_server_flag_chooses_the_decode_path(tiny_checkpoint, flags, fast):
-    from miles.backends.sglang_utils.reference_engine.cli import build_parser
+    from miles.backends.sglang_utils.reference_engine.cli import build_parser, engine_options
     from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
     from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
 
-    options = vars(build_parser().parse_args(["--model-path", str(tiny_checkpoint), *flags]))
-    options.pop("log_level")
-    engine = ReferenceEngine(ReferenceEngineConfig(**options))
+    args = build_parser().parse_args(["--model-path", str(tiny_checkpoint), *flags])
+    engine = ReferenceEngine(ReferenceEngineConfig(**engine_options(args)))
     try:
         assert (engine.scheduler.runner.decoder is not None) == fast
     finally:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 import uvicorn
 
@@ -57,13 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    # The HTTP server's own parts (uvicorn's names); "auto" takes httptools and uvloop, which
+    # the package installs, and falls back to h11 and asyncio.
+    parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"])
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     return parser
+
+
+_SERVER_OPTIONS = ("log_level", "http", "loop")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags that configure the engine (`ReferenceEngineConfig`'s fields), without
+    those of the HTTP server."""
+    return {k: v for k, v in vars(args).items() if k not in _SERVER_OPTIONS}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    options = {k: v for k, v in vars(args).items() if k != "log_level"}
+    options = engine_options(args)
     try:
         config = ReferenceEngineConfig(**options)
     except ValueError as err:
@@ -77,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         port=config.port,
         log_level=args.log_level,
         timeout_keep_alive=60,
+        http=args.http,
+        loop=args.loop,
     )
     engine.scheduler.shutdown()
     return 0
