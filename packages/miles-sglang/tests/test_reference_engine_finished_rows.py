@@ -22,12 +22,14 @@ def model(tiny_checkpoint):
     return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
 
 
-def _run(model, lengths: list[int], prompts: list[list[int]]) -> tuple[list[Request], list[int]]:
+def _run(
+    model, lengths: list[int], prompts: list[list[int]], context_length: int = 64
+) -> tuple[list[Request], list[int]]:
     """Generate from `prompts` (seeded by position) at once; the requests and the batch size of
     every decode step."""
     scheduler = Scheduler(
-        ModelRunner(model, torch.device("cpu")), eos_token_ids=set(), context_length=64,
-        max_running_requests=16, seed=0, admission_quiet_s=0.05,
+        ModelRunner(model, torch.device("cpu")), eos_token_ids=set(),
+        context_length=context_length, max_running_requests=16, seed=0, admission_quiet_s=0.05,
     )  # fmt: skip
     sizes: list[int] = []
     decode = scheduler.runner.decode
@@ -74,6 +76,16 @@ def test_an_emptied_batch_is_dropped_and_the_next_request_starts_a_new_one(model
     requests, sizes = _run(model, [3, 3], PROMPTS[:2])
     assert [len(r.output_ids) for r in requests] == [3, 3]
     assert sizes == [2, 2]  # the first token comes from the prefill
+
+
+def test_finished_rows_leave_the_batch_when_it_reaches_the_context_length(model):
+    # One sequence of a 12-token prompt finishes after 2 tokens; three of 2-token prompts run to
+    # 12. Its positions run on with the batch (12 columns after the prefill, one more a step): at
+    # 16, the context length, it leaves, though it is a quarter of the batch.
+    prompts = [list(range(40, 52)), [72, 101], [108, 111], [32, 119]]
+    requests, sizes = _run(model, [2, 12, 12, 12], prompts, context_length=16)
+    assert [len(r.output_ids) for r in requests] == [2, 12, 12, 12]
+    assert sizes == [4] * 4 + [3] * 7, sizes
 
 
 def _run_alone(model, prompt: list[int], length: int, seed: int) -> Request:

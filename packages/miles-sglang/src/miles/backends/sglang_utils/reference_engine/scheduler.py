@@ -11,9 +11,9 @@ the first alone prefills it, then prefills and merges the rest one step later, a
 step more at the end for the one that started early: there, about 40 ms of a 210 ms rollout.
 
 A finished sequence leaves its row in the batch until at least half the rows have finished (or
-requests join): dropping one copies every layer's cache and makes the next step grow it anew,
-about 3 ms for the e2e benchmark's 64 rows, while decoding a finished row along costs about
-1/64 of a step. Its outputs are dropped.
+requests join, or the batch reaches the context length): dropping one copies every layer's cache
+and makes the next step grow it anew, about 3 ms for the e2e benchmark's 64 rows, while decoding
+a finished row along costs about 1/64 of a step. Its outputs are dropped.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     on_event: Callable[[Request, bool], None]
-    rid: str = field(default_factory=lambda: new_rid())
+    rid: str = field(default_factory=new_rid)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs_num: int = 0
@@ -397,6 +397,10 @@ class Scheduler:
                 return
             start = time.perf_counter()
             assert self._state is not None, "running requests have batch rows"
+            if self._state.length >= self.context_length:
+                # A finished row's positions run on with the batch: past the context they would
+                # index a model's position table out of range.
+                self._compact(now=True)
             every_row = len(self._rows) == self._state.size
             tokens = self._next_tokens
             if not every_row:  # a finished row is fed any token; its outputs are dropped
