@@ -175,9 +175,8 @@ def against_engines(args: argparse.Namespace) -> None:
             medians[name] = statistics.median(seconds) * 1000
             print(f"{name:30} {medians[name]:7.2f} ms per round of {args.groups} calls "
                   f"({len(seconds)} rounds)")  # fmt: skip
-        print(
-            f"default / h11 + asyncio: {medians['httptools + uvloop (default)'] / medians['h11 + asyncio']:.2f}"
-        )
+        ratio = medians["httptools + uvloop (default)"] / medians["h11 + asyncio"]
+        print(f"default / h11 + asyncio: {ratio:.2f}")
 
 
 async def timed_rounds(url: str, body: dict[str, Any], args: argparse.Namespace) -> list[float]:

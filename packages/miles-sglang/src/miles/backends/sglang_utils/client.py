@@ -8,8 +8,9 @@ is sent again only when the server cannot have processed it (connection refused,
 Retry-After), because repeating one is not harmless. `SyncEngineClient` offers the same calls to trainers and Ray actors without asyncio.
 
 The calls go through aiohttp: a rollout sends a /generate per group at once and reads the
-answers as they come, and aiohttp spends a fraction of httpx's time per call (`bench/engine_client.py`:
-8 concurrent calls to a canned server, 2.4 ms a round against httpx's 9.4 ms on 2 cores).
+answers as they come, and aiohttp spends a fraction of httpx's time per call
+(`bench/engine_client.py`: 8 concurrent calls to a canned server, 2.4 ms a round against
+httpx's 9.4 ms on 2 cores).
 """
 
 from __future__ import annotations

@@ -191,9 +191,8 @@ def sample_next_tokens(
             candidates[i] = _filter_logits(candidates[i], params[drawn[i]])
         # float64 keeps the cumulative sum exact enough over a large vocabulary.
         cdf = torch.softmax(candidates, dim=-1).double().cumsum(-1)  # (D, V)
-        # Python's generators: one draw per row costs a tenth of a microsecond, a torch
-        # generator's several (64 rows: 8 against 98 us a step), and a seed means the same
-        # draw on any device.
+        # Python's generators: a draw costs a tenth of a microsecond, a torch generator's
+        # several, once per row and step; and a seed means the same draw on any device.
         uniform = torch.tensor([generators[r].random() for r in drawn], dtype=torch.float64)
         uniform = uniform.to(cdf.device) * cdf[:, -1]
         # The first token whose cumulative probability exceeds the draw: a token of probability

@@ -12,8 +12,9 @@ step more at the end for the one that started early: there, about 40 ms of a 210
 
 A finished sequence leaves its row in the batch until at least half the rows have finished (or
 requests join, or the batch reaches the context length): dropping one copies every layer's cache
-and makes the next step grow it anew, about 3 ms for the e2e benchmark's 64 rows, while decoding
-a finished row along costs about 1/64 of a step. Its outputs are dropped.
+and makes the next step grow it anew, which costs more than half a decode step for the e2e
+benchmark's 64 rows, while decoding a finished row along costs about 1/64 of a step. Its outputs
+are dropped.
 """
 
 from __future__ import annotations
