@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -39,7 +38,8 @@ import uvicorn
 
 from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.client import EngineClient
-from miles.backends.sglang_utils.server_process import ServerProcess, free_port, http_probe
+from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
+from miles.backends.sglang_utils.server_process import free_port, http_probe
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 RESPONSE_TOKENS = 16
@@ -161,17 +161,8 @@ def against_engines(args: argparse.Namespace) -> None:
         medians = {}
         for name, flags in (("h11 + asyncio", ["--http", "h11", "--loop", "asyncio"]),
                             ("httptools + uvloop (default)", [])):  # fmt: skip
-            port = free_port()
-            command = [sys.executable, "-m", "miles.backends.sglang_utils.reference_engine.cli",
-                       "--model-path", str(checkpoint), "--port", str(port),
-                       "--log-level", "warning", *flags]  # fmt: skip
-            engine = ServerProcess(command, name=f"bench-engine-{port}")
-            try:
-                url = f"http://127.0.0.1:{port}"
-                engine.wait_until_ready(f"{url}/health", timeout_s=300)
+            with launch_reference_engine(checkpoint, extra_args=flags) as url:
                 seconds = asyncio.run(timed_rounds(url, body, args))
-            finally:
-                engine.shutdown()
             medians[name] = statistics.median(seconds) * 1000
             print(f"{name:30} {medians[name]:7.2f} ms per round of {args.groups} calls "
                   f"({len(seconds)} rounds)")  # fmt: skip

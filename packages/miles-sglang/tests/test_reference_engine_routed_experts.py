@@ -47,6 +47,23 @@ def test_routed_experts_are_the_routers_choice_of_every_token_read(start_engine,
     assert all("routed_experts" not in a["meta_info"] for a in plain)
 
 
+def test_routed_experts_stay_right_beside_a_sequence_that_finished_early(
+    start_engine, moe_checkpoint
+):
+    # The first sequence finishes after 2 tokens and keeps its row (one finished of three): the
+    # others' routing is read from their own rows of each later step.
+    prompts = [*PROMPTS, [50, 51, 52]]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True} for n in (2, 6, 6)]
+    body = {"input_ids": prompts, "sampling_params": params, "return_routed_experts": True}
+    with start_engine(moe_checkpoint, "--enable-return-routed-experts") as url:
+        answers = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    assert [len(a["output_ids"]) for a in answers] == [2, 6, 6]
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens = prompt + answer["output_ids"]
+        experts = decode_routed_experts(answer["meta_info"]["routed_experts"], 2, 2)
+        assert torch.equal(experts, routers_choice(moe_checkpoint, tokens)[: len(tokens) - 1])
+
+
 def test_asking_without_the_server_flag_is_refused(start_engine, moe_checkpoint):
     body = {"input_ids": PROMPTS[0], "return_routed_experts": True,
             "sampling_params": {"max_new_tokens": 2}}  # fmt: skip

@@ -397,24 +397,7 @@ class Scheduler:
             if not self._running:
                 return
             start = time.perf_counter()
-            assert self._state is not None, "running requests have batch rows"
-            if self._state.length >= self.context_length:
-                # A finished row's positions run on with the batch: past the context they would
-                # index a model's position table out of range.
-                self._compact(now=True)
-            every_row = len(self._rows) == self._state.size
-            tokens = self._next_tokens
-            if not every_row:  # a finished row is fed any token; its outputs are dropped
-                tokens = [0] * self._state.size
-                for row, token in zip(self._rows, self._next_tokens, strict=True):
-                    tokens[row] = token
-            logits, self._state = self.runner.decode(self._state, tokens)
-            routed_rows = self.runner.decode_routed
-            if not every_row:
-                rows = torch.tensor(self._rows, device=logits.device)
-                logits = logits.index_select(0, rows)
-                if routed_rows is not None:
-                    routed_rows = routed_rows.index_select(0, rows.to(routed_rows.device))
+            logits, routed_rows = self._decode_running()
             self.step_seconds["decode"] += time.perf_counter() - start
             if routed_rows is not None:
                 for request, routed in zip(self._running, routed_rows, strict=True):
@@ -425,6 +408,28 @@ class Scheduler:
             self._retire_finished()
         finally:
             self.step_seconds["steps"] += time.perf_counter() - step_start
+
+    def _decode_running(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of the batch: the running requests' next-token logits and (MoE)
+        routed experts, in `_running`'s order. Finished rows still in the batch are fed token 0
+        and their outputs dropped."""
+        assert self._state is not None, "running requests have batch rows"
+        if self._state.length >= self.context_length:
+            # A finished row's positions run on with the batch: past the context they would
+            # index a model's position table out of range.
+            self._compact(now=True)
+        if len(self._rows) == self._state.size:
+            logits, self._state = self.runner.decode(self._state, self._next_tokens)
+            return logits, self.runner.decode_routed
+        tokens = [0] * self._state.size
+        for row, token in zip(self._rows, self._next_tokens, strict=True):
+            tokens[row] = token
+        logits, self._state = self.runner.decode(self._state, tokens)
+        rows = torch.tensor(self._rows, device=logits.device)
+        routed = self.runner.decode_routed
+        if routed is not None:
+            routed = routed.index_select(0, rows.to(routed.device))
+        return logits.index_select(0, rows), routed
 
     def _sample_and_record(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         """Sample each request's next token and record it. A request whose sampling or stop
