@@ -197,7 +197,7 @@ def test_an_agent_run_trains_on_its_sessions_and_evaluates_through_them(assets, 
     records = run(
         assets, tmp_path, "--num-rollout", "1", "--rollout-num-gpus", "1",
         "--apply-chat-template", "--rollout-max-response-len", "96",
-        "--rollout-function-path", "miles.rollout.agent_rollout:generate_agent_rollout",
+        "--rollout-function-path", "miles.rollout.agent_rollout:AgentRollout",
         "--agent-function-path", "tests.e2e.agents:two_turns",
         "--eval-prompt-data", "heldout", str(data), "--eval-interval", "1",
     )  # fmt: skip

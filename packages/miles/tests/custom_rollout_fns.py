@@ -32,3 +32,9 @@ def keep_odd_groups(group: list[Sample]) -> bool:
 
 def says_maybe(group: list[Sample]) -> str:
     return "maybe"
+
+
+async def whole_rollout(rollout_id, *, pool, data_source, score_groups, config):
+    """A rollout function of the earlier signature: a whole rollout of one unanswered group."""
+    del rollout_id, pool, score_groups, config
+    return data_source.get_samples(1)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from miles.backends.training_utils.sample import Sample, SampleStatus
-from miles.rollout.agent_rollout import AgentRunner, load_agent, session_metrics
+from miles.rollout.agent_function import load_agent
+from miles.rollout.agent_rollout import AgentRunner, session_metrics
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.session_server import SessionServer
@@ -313,10 +314,12 @@ async def two_turns(client, sample):
 def test_a_rollout_of_agent_sessions_from_the_runs_flags(
     tiny_checkpoint, engine_url, tmp_path, monkeypatch
 ):
-    """--rollout-function-path miles.rollout.agent_rollout:generate_agent_rollout with
+    """--rollout-function-path miles.rollout.agent_rollout:AgentRollout with
     --agent-function-path: every sample is a session, failures are counted, nothing crashes."""
     from miles.config import load_config
-    from miles.rollout.agent_rollout import generate_agent_rollout
+    from miles.rollout.loader import load_rollout
+    from miles.utils.tokenizers import load_tokenizer
+    from tests.support.rollout_context import rollout_context
 
     (tmp_path / "my_agent.py").write_text(AGENT_MODULE)
     (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
@@ -325,7 +328,7 @@ def test_a_rollout_of_agent_sessions_from_the_runs_flags(
         "--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", str(tmp_path / "data.jsonl"),
         "--input-key", "prompt", "--apply-chat-template", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
-        "--rollout-function-path", "miles.rollout.agent_rollout:generate_agent_rollout",
+        "--rollout-function-path", "miles.rollout.agent_rollout:AgentRollout",
         "--agent-function-path", "my_agent:two_turns", "--max-turns", "3",
     ])  # fmt: skip
 
@@ -350,9 +353,11 @@ def test_a_rollout_of_agent_sessions_from_the_runs_flags(
 
     async def main():
         async with EnginePool([engine_url]) as pool:
-            output = await generate_agent_rollout(
-                0, pool=pool, data_source=Prompts(), score_groups=score, config=config
-            )
+            ctx = rollout_context(
+                pool, Prompts(), score, config.rollout, data=config.data,
+                tokenizer=load_tokenizer(str(tiny_checkpoint)), model_path=str(tiny_checkpoint),
+            )  # fmt: skip
+            output = await load_rollout(config.rollout).generate_rollout(ctx, 0)
         from miles.rollout.agent_rollout import _servers
 
         await _servers[asyncio.get_running_loop()].aclose()
@@ -385,7 +390,7 @@ def test_agent_flags_are_checked_before_the_run(tmp_path, monkeypatch):
         load_config([*base, "--tool-paths", "my_agent:add"])
     agent_rollout = [
         "--rollout-function-path",
-        "miles.rollout.agent_rollout:generate_agent_rollout",
+        "miles.rollout.agent_rollout:AgentRollout",
     ]
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_config([*base, *agent_rollout, "--agent-function-path", "my_agent:nope"])

@@ -247,7 +247,7 @@ def test_load_defaults_to_save_and_paths_become_absolute():
                 "--rollout-function-path",
                 "tests.e2e.agents:two_turns",
             ],
-            "does not say how it makes one sample",
+            "makes whole rollouts only",
         ),
         (
             [

@@ -14,8 +14,12 @@ from transformers import AutoTokenizer
 from miles.backends.training_utils.sample import Sample
 from miles.config import load_config
 from miles.ray.rollout_manager import RolloutManager
-from miles.rollout.generate import sample_generator
-from miles.rollout.tool_rollout import ToolAgent, generate_tool_rollout
+from miles.rollout.loader import load_rollout
+from miles.rollout.sft_rollout import SftRollout
+from miles.rollout.single_turn import SingleTurnRollout
+from miles.rollout.tool_rollout import ToolAgent, ToolRollout
+from miles.utils.tokenizers import load_tokenizer
+from tests.support.rollout_context import rollout_context
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 QUESTION = "What is 2 + 3?"
@@ -78,7 +82,7 @@ def _evaluate(config, first: str, after_tool: str = "") -> tuple[dict[str, float
 
     async def run() -> dict[str, float]:
         await manager.load_data()
-        manager.pool = pool
+        manager.engines.pool = pool
         return await manager.eval(0)
 
     return asyncio.run(run()), pool
@@ -88,7 +92,7 @@ def test_a_tool_rollout_is_evaluated_over_its_multi_turn_episodes(
     tiny_checkpoint, data_file, tmp_path
 ):
     config = _config(tiny_checkpoint, data_file, tmp_path, *TOOL_FLAGS,
-                     "--rollout-function-path", "miles.rollout.tool_rollout:generate_tool_rollout")  # fmt: skip
+                     "--rollout-function-path", "miles.rollout.tool_rollout:ToolRollout")  # fmt: skip
     metrics, pool = _evaluate(config, CALL, ANSWER)
     # Each held-out sample called the tool, read its result and answered: two engine turns.
     assert len(pool.prompts) == 2 * 2
@@ -99,7 +103,7 @@ def test_a_warm_up_with_tools_is_evaluated_over_the_tool_rollouts_episodes(
     tiny_checkpoint, data_file, tmp_path
 ):
     config = _config(tiny_checkpoint, data_file, tmp_path, *TOOL_FLAGS,
-                     "--rollout-function-path", "miles.rollout.sft_rollout:sft_rollout",
+                     "--rollout-function-path", "miles.rollout.sft_rollout:SftRollout",
                      "--loss-type", "sft_loss")  # fmt: skip
     metrics, pool = _evaluate(config, CALL, ANSWER)
     assert len(pool.prompts) == 2 * 2 and metrics["eval/heldout/reward_mean"] == 1.0
@@ -124,24 +128,21 @@ def test_evaluation_uses_the_custom_generate_function(tiny_checkpoint, data_file
     assert metrics["eval/heldout/reward_mean"] == 1.0
 
 
-def test_a_rollout_function_names_its_sample_generator(tiny_checkpoint, data_file, tmp_path):
-    config = _config(tiny_checkpoint, data_file, tmp_path, *TOOL_FLAGS,
-                     "--rollout-function-path", "miles.rollout.tool_rollout:generate_tool_rollout")  # fmt: skip
+def test_each_rollout_names_the_rollout_that_evaluates_it(tiny_checkpoint, data_file, tmp_path):
+    def evaluation(*flags: str):
+        config = _config(tiny_checkpoint, data_file, tmp_path, *flags)
+        return load_rollout(config.rollout, run_config=config).for_evaluation()
 
-    async def plain_rollout(rollout_id, **kwargs):
-        return []
-
-    async def built_later(config):
-        return "generate"
-
-    async def run(fn):
-        return await sample_generator(fn, config)
-
-    assert asyncio.run(run(plain_rollout)) is None
-    plain_rollout.sample_generator = built_later
-    assert asyncio.run(run(plain_rollout)) == "generate"
-    generate = asyncio.run(run(generate_tool_rollout))
-    assert isinstance(generate.__self__, ToolAgent) and generate.__name__ == "generate"
+    tool = ("--rollout-function-path", "miles.rollout.tool_rollout:ToolRollout")
+    sft = ("--rollout-function-path", "miles.rollout.sft_rollout:SftRollout",
+           "--loss-type", "sft_loss")  # fmt: skip
+    assert type(evaluation(*TOOL_FLAGS, *tool)) is ToolRollout
+    assert type(evaluation(*TOOL_FLAGS, *sft)) is ToolRollout
+    assert type(evaluation("--apply-chat-template", *sft)) is SingleTurnRollout
+    assert type(evaluation()) is SingleTurnRollout
+    # A whole-rollout function of the earlier signature is evaluated the built-in way.
+    legacy = evaluation("--rollout-function-path", "custom_rollout_fns:whole_rollout")
+    assert type(legacy) is SingleTurnRollout
 
 
 class _Rows:
@@ -155,22 +156,27 @@ class _Rows:
                 for i in range(num_prompts)]  # fmt: skip
 
 
+def _sft_context(config, source: _Rows):
+    tokenizer = load_tokenizer(config.checkpoint.hf_checkpoint)
+    return rollout_context(None, source, None, config.rollout, data=config.data,
+                           tokenizer=tokenizer)  # fmt: skip
+
+
 def test_a_warm_up_with_tools_trains_after_the_prompt_the_tool_rollout_opens_with(
     tiny_checkpoint, data_file, tmp_path
 ):
-    from miles.rollout.sft_rollout import sft_rollout
-
     config = _config(tiny_checkpoint, data_file, tmp_path, *TOOL_FLAGS,
-                     "--rollout-function-path", "miles.rollout.sft_rollout:sft_rollout",
+                     "--rollout-function-path", "miles.rollout.sft_rollout:SftRollout",
                      "--loss-type", "sft_loss")  # fmt: skip
     # A row holding a call and its result: the warm-up teaches the answer that follows them.
     chat = [{"role": "user", "content": QUESTION},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
             {"role": "tool", "content": "5"}]  # fmt: skip
-    (group,) = sft_rollout(0, pool=None, data_source=_Rows(chat), score_groups=None, config=config)
+    ctx = _sft_context(config, _Rows(chat))
+    (group,) = asyncio.run(SftRollout.from_config(config.rollout).generate_rollout(ctx, 0)).groups
     sample = group[0]
-    agent = ToolAgent.for_run(config)
+    agent = ToolAgent.for_context(ctx)
     prompt = agent.first_prompt(sample)
     tokenizer = agent.tokenizer
     assert '"name": "add"' in tokenizer.decode(prompt)  # the tools are shown, as in the rollout
@@ -183,12 +189,10 @@ def test_a_warm_up_with_tools_trains_after_the_prompt_the_tool_rollout_opens_wit
 def test_a_warm_up_without_tools_keeps_the_data_sources_prompt(
     tiny_checkpoint, data_file, tmp_path
 ):
-    from miles.rollout.sft_rollout import sft_rollout
-
     config = _config(tiny_checkpoint, data_file, tmp_path, "--apply-chat-template",
-                     "--rollout-function-path", "miles.rollout.sft_rollout:sft_rollout",
+                     "--rollout-function-path", "miles.rollout.sft_rollout:SftRollout",
                      "--loss-type", "sft_loss")  # fmt: skip
     chat = [{"role": "user", "content": QUESTION}]
-    (group,) = sft_rollout(0, pool=None, data_source=_Rows(chat), score_groups=None, config=config)
+    ctx = _sft_context(config, _Rows(chat))
+    (group,) = asyncio.run(SftRollout.from_config(config.rollout).generate_rollout(ctx, 0)).groups
     assert group[0].tokens[0] == 1  # the data source's tokens, followed by the label
-    assert asyncio.run(sample_generator(sft_rollout, config)) is None

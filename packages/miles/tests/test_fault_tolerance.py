@@ -184,19 +184,19 @@ def test_an_engine_failure_names_the_engine_and_quotes_the_end_of_its_log(
     tiny_checkpoint, tmp_path
 ):
     from miles.config import load_config
-    from miles.ray.rollout_manager import EngineFailedError, RolloutManager
+    from miles.ray.engine_fleet import EngineFailedError, EngineFleet
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"input": "1+1=", "label": "2"}\n')
     config = load_config(["--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", str(data),
                           "--rollout-batch-size", "1"])  # fmt: skip
-    manager = RolloutManager(config, None, dp_size=1)
+    fleet = EngineFleet(config, None)
     log = tmp_path / "engine_0.log"
     log.write_text("".join(f"line {i}\n" for i in range(30)) + "CUDA error: device lost\n")
-    manager.engine_urls = ["http://10.0.0.1:30000"]
-    manager._engine_specs = [{"log_path": str(log)}]
+    fleet.engine_urls = ["http://10.0.0.1:30000"]
+    fleet._engine_specs = [{"log_path": str(log)}]
     error = EngineError("http://10.0.0.1:30000/", "/generate", None, "connection failed")
-    explained = manager._explain_engine_error(error)
+    explained = fleet.explain(error)
     assert isinstance(explained, EngineFailedError)
     lines = str(explained).splitlines()
     assert lines[0].startswith("engine 0 at http://10.0.0.1:30000 failed: /generate at ")

@@ -25,8 +25,11 @@ from miles.rollout.fully_async import (
     mask_older_tokens,
     trained_version,
 )
-from miles.rollout.generate import RolloutConfig, group_runner
+from miles.rollout.group_loop import group_runner
+from miles.rollout.rollout_config import RolloutConfig
 from miles.rollout.sample_generation import generate_sample
+from miles.rollout.single_turn import CustomSampleRollout, SingleTurnRollout
+from tests.support.rollout_context import rollout_context
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,9 @@ def make_buffer(pool, prompts, config: FullyAsyncConfig, version: int, *, max_le
         rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=max_len,
         rollout_concurrency=8,
     )  # fmt: skip
-    run_group = group_runner(pool, source, reward_one, rollout, generate_fn=generate_fn)
+    made = SingleTurnRollout() if generate_fn is None else CustomSampleRollout(generate_fn)
+    ctx = rollout_context(pool, source, reward_one, rollout)
+    run_group = group_runner(ctx, made.generate_group)
     return FullyAsyncRollouts(run_group, source, pool, config, weight_version=version), source
 
 

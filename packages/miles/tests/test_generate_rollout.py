@@ -1,4 +1,4 @@
-"""generate_groups against a real reference engine: batch shapes, finish statuses, the
+"""The built-in rollout (`SingleTurnRollout` in the group loop) against a real reference engine: batch shapes, finish statuses, the
 concurrency bound, dynamic filtering with over-sampling, partial rollouts that resume, custom
 generate functions, and the configuration errors."""
 
@@ -14,8 +14,11 @@ import pytest
 from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.training_utils.import_path import ImportPathError
 from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.rollout.context import RolloutOutput
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
+from miles.rollout.loader import load_rollout
+from miles.rollout.rollout_config import RolloutConfig
+from tests.support.rollout_context import rollout_context
 
 EOS = 256  # the tiny checkpoint's <|endoftext|>
 VOCAB = 259
@@ -81,15 +84,22 @@ async def reward_by_position(groups: list[list[Sample]]) -> None:
 def rollout(
     urls: list[str], source: ListDataSource, config: RolloutConfig, make_pool=EnginePool
 ) -> RolloutOutput:
-    """One generate_groups on `make_pool(urls)`, which is closed afterwards."""
+    """One rollout of the rollout `config` names, on `make_pool(urls)`, closed afterwards."""
 
     async def run():
         async with make_pool(urls) as pool:
-            output = await generate_groups(pool, source, reward_by_position, config, rollout_id=0)
+            output = await make_rollout(pool, source, config, rollout_id=0)
             assert set(pool.in_flight().values()) == {0}
             return output
 
     return asyncio.run(run())
+
+
+async def make_rollout(
+    pool: EnginePool, source: ListDataSource, config: RolloutConfig, *, rollout_id: int
+) -> RolloutOutput:
+    ctx = rollout_context(pool, source, reward_by_position, config)
+    return await load_rollout(config).generate_rollout(ctx, rollout_id)
 
 
 def check_sample(sample: Sample, max_len: int) -> None:
@@ -299,9 +309,7 @@ def test_an_engine_error_fails_the_rollout_and_leaves_nothing_in_flight(engine_u
         async with EnginePool([engine_url]) as pool:
             config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
             with pytest.raises(EngineError, match="vocab size"):
-                await generate_groups(
-                    pool, BadPrompts(n=2), reward_by_position, config, rollout_id=3
-                )
+                await make_rollout(pool, BadPrompts(n=2), config, rollout_id=3)
             return pool.in_flight()
 
     assert set(asyncio.run(run()).values()) == {0}
@@ -369,20 +377,13 @@ def test_config_errors_name_the_flag_and_the_value(fields, message):
 
 
 def test_the_built_in_rollout_is_the_default_of_the_rollout_function_flag():
-    import inspect
+    from miles.rollout.single_turn import CustomSampleRollout, SingleTurnRollout
 
-    from miles.backends.training_utils.import_path import load_function
-    from miles.rollout.generate import generate_rollout
-    from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
-    from miles.rollout.sft_rollout import sft_rollout
-
-    default = RolloutConfig(rollout_batch_size=1).rollout_function_path
-    assert load_function(default, ROLLOUT_FUNCTION_FLAG) is generate_rollout
-    # One contract: the built-in and a custom one take the same keywords.
-    keywords = {"pool", "data_source", "score_groups", "config"}
-    for fn in (generate_rollout, sft_rollout):
-        first, *rest = inspect.signature(fn).parameters
-        assert first == "rollout_id" and set(rest) == keywords
+    assert type(load_rollout(RolloutConfig(rollout_batch_size=1))) is SingleTurnRollout
+    custom = RolloutConfig(
+        rollout_batch_size=1, custom_generate_function_path="custom_rollout_fns:canned_generate"
+    )
+    assert type(load_rollout(custom)) is CustomSampleRollout
 
 
 def test_a_rollout_sends_the_groups_of_a_lost_engine_again_whole(engine_url, second_engine_url):
@@ -399,9 +400,7 @@ def test_a_rollout_sends_the_groups_of_a_lost_engine_again_whole(engine_url, sec
                 pool.mark_lost(engine_url, "killed by the test")
 
             killer = asyncio.create_task(lose_the_first_engine_once_it_serves())
-            output = await generate_groups(
-                pool, ListDataSource(n=2), reward_by_position, config, rollout_id=0
-            )
+            output = await make_rollout(pool, ListDataSource(n=2), config, rollout_id=0)
             await killer
             await pool.abort_all()
             return output, pool.serving()

@@ -14,8 +14,9 @@ import ray
 
 from miles.config import load_config
 from miles.ray.cluster import init_ray
+from miles.ray.engine_fleet import engine_launch_spec
 from miles.ray.placement import create_placement, plan_placement, remove_placement
-from miles.ray.rollout_manager import RolloutManager, engine_launch_spec
+from miles.ray.rollout_manager import RolloutManager
 from miles.ray.run import RolloutManagerTimeoutError, Run
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 

@@ -210,11 +210,15 @@ class _Questions:
 
 
 def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engine):
-    from miles.rollout.generate import RolloutConfig, generate_groups
+    from miles.rollout.data_source import DataSourceConfig
+    from miles.rollout.rollout_config import RolloutConfig
+    from miles.rollout.tool_rollout import ToolRollout
+    from tests.support.rollout_context import rollout_context
 
-    agent, _ = _agent(tool_model)
     config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2,
-                           rollout_max_response_len=200, rollout_temperature=0.0)  # fmt: skip
+                           rollout_max_response_len=200, rollout_temperature=0.0,
+                           tool_paths=["tool_fns:add"], max_turns=3, tool_timeout_s=5.0)  # fmt: skip
+    data = DataSourceConfig(prompt_data="unread.jsonl", apply_chat_template=True)
 
     async def score(groups: list[list[Sample]]) -> None:
         for sample in (s for group in groups for s in group):
@@ -222,13 +226,17 @@ def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engi
 
     async def run():
         async with EnginePool([tool_engine]) as pool:
-            return await generate_groups(pool, _Questions(2), score, config, rollout_id=0,
-                                         generate_fn=agent.generate)  # fmt: skip
+            ctx = rollout_context(pool, _Questions(2), score, config, data=data,
+                                  tokenizer=AutoTokenizer.from_pretrained(tool_model))  # fmt: skip
+            rollout = ToolRollout.from_config(config)
+            rollout.check(config, data)
+            return await rollout.generate_rollout(ctx, rollout_id=0)
 
     output = asyncio.run(run())
     samples = [s for group in output.groups for s in group]
     assert len(samples) == 4 and all(s.reward == 1.0 for s in samples)
-    metrics = agent_metrics(samples)
+    assert output.metrics == {**output.metrics, **agent_metrics(samples)}
+    metrics = output.metrics
     assert metrics["rollout/turns_mean"] == 2.0 and metrics["rollout/tool_calls_mean"] == 1.0
     assert metrics["rollout/tool_failures/timeout"] == 0.0
     assert metrics["rollout/template_mismatches_mean"] == 1.0

@@ -320,28 +320,29 @@ def _check_fully_async_rollout(config: MilesConfig) -> None:
             f"--fully-async-buffer-groups ({training.fully_async_buffer_groups}) must hold a "
             f"train step's --rollout-batch-size ({rollout.rollout_batch_size}) groups; raise it"
         )
-    # Fully-async generation runs one group at a time, the way the rollout function makes each
-    # of its samples: the built-in rollout, or one that says how (`sample_generator`).
-    from miles.backends.training_utils.import_path import load_function
-    from miles.rollout.rollout_config import DEFAULT_ROLLOUT_FUNCTION, ROLLOUT_FUNCTION_FLAG
-
-    default = rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
-    if not default:
-        function = load_function(rollout.rollout_function_path, ROLLOUT_FUNCTION_FLAG)
-        if getattr(function, "sample_generator", None) is None:
-            raise ValueError(
-                f"--fully-async generates group by group, but --rollout-function-path "
-                f"{rollout.rollout_function_path} makes whole rollouts and does not say how it "
-                "makes one sample (a `sample_generator` attribute, see "
-                "miles.rollout.generate.sample_generator); use the built-in rollout, the tool "
-                "or agent rollout, or add the attribute"
-            )
-    if rollout.partial_rollout and not (default and rollout.custom_generate_function_path is None):
+    # Fully-async generation runs one group at a time: the rollout's `generate_group`.
+    rollout_impl = _load_rollout(config)
+    if not rollout_impl.makes_groups:
+        raise ValueError(
+            f"--fully-async generates group by group, but --rollout-function-path "
+            f"{rollout.rollout_function_path} makes whole rollouts only (a function of the "
+            "earlier signature); use the built-in rollout, the tool or agent rollout, or write "
+            "it as a miles.rollout.contract.Rollout (docs/guides/adding-a-rollout-function.md)"
+        )
+    if rollout.partial_rollout and not rollout_impl.continues_partial_requests:
         raise ValueError(
             "--fully-async --partial-rollout continues an interrupted request from its tokens, "
             "which only the built-in single-turn generation can; drop --partial-rollout for "
             "multi-turn or custom generation (their requests then finish on the old weights)"
         )
+
+
+def _load_rollout(config: MilesConfig) -> Any:
+    """The run's rollout (--rollout-function-path), loaded now so that a bad path, a missing
+    tool or agent, or settings the rollout cannot run with stop the run before anything starts."""
+    from miles.rollout.loader import load_rollout
+
+    return load_rollout(config.rollout, run_config=config)
 
 
 def _check_routing_replay(config: MilesConfig) -> None:
@@ -367,11 +368,7 @@ def _check_routing_replay(config: MilesConfig) -> None:
     if config.cluster.train_backend != "fsdp":
         raise ValueError(f"{flag} is implemented by the FSDP backend; use --train-backend fsdp")
     if training.use_rollout_routing_replay:
-        from miles.rollout.rollout_config import DEFAULT_ROLLOUT_FUNCTION
-
-        if rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION or (
-            rollout.custom_generate_function_path is not None
-        ):
+        if not _load_rollout(config).returns_routed_experts:
             raise ValueError(
                 "--use-rollout-routing-replay keeps each sample's engine routing from the "
                 "built-in single-turn generation; multi-turn and custom generation do not ask "
@@ -388,6 +385,7 @@ def _check_across_groups(config: MilesConfig) -> None:
             cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine
         )
     plan_for_config(config, use_gpus=False)
+    _load_rollout(config).check(config.rollout, config.data)
     _check_async_modes(config)
     _check_reference_model(config)
     _check_distillation(config)

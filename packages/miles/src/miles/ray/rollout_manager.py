@@ -1,121 +1,61 @@
 """`RolloutManager`: the Ray actor that owns the rollout side of a run.
 
-It starts the engines (one `RolloutEngineActor` per engine, in the engine's placement bundle),
-fronts them with sglang-router or the built-in least-loaded balancer, and per rollout runs:
-rollout function -> rewards -> reward shaping -> columnar train data, one shard per data-parallel
-rank, put in the Ray object store. It also evaluates, offloads/onloads engines, saves the
-data-source state, and `dispose()` stops every process it started.
+It holds the run's engines (`EngineFleet`: start, balance, supervise, stop), its prompts and its
+rollout (`miles.rollout.contract.Rollout`, from --rollout-function-path), and per rollout runs:
+rollout -> rewards -> reward shaping -> columnar train data, one shard per data-parallel rank, put
+in the Ray object store. It also evaluates, offloads/onloads engines, saves the data-source state
+and runs fully-async generation.
 
 Start-up order: `start_engines` launches the engine processes first, and while they load their
 model `load_data` reads the tokenizer and the prompts. No heavy import is made at the top of this
 module, so the engines' launch waits for none: the tokenizer loads without torch where it can
 (`miles.utils.tokenizers`), and torch (for the train data) is imported in a thread while the first
-rollout generates.
+rollout generates (`_import_train_data`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
 import json
 import logging
 import os
-import secrets
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import ray
-from miles.backends.sglang_utils.client import EngineClient, EngineError
-from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
-from miles.backends.sglang_utils.server_process import file_tail
-from miles.backends.training_utils.import_path import load_function
+from miles.backends.sglang_utils.client import EngineError
 from miles.config.schema import MilesConfig
-from miles.ray.engine_actor import RolloutEngineActor
+from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement
-from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
-from miles.ray.teacher_engines import TeacherEngines
+from miles.rollout.context import RequestSlots, RolloutContext
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.engine_supervisor import EngineSupervisor, FaultToleranceConfig
 from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
-from miles.rollout.generate import (
-    RolloutConfig,
-    RolloutOutput,
-    generate_groups,
-    group_runner,
-    sample_generator,
-)
+from miles.rollout.group_loop import group_runner, run_groups
+from miles.rollout.loader import load_rollout
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
-from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
+from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
-from miles.utils.failures import describe
 from miles.utils.hf_config import hf_config_value
-from miles.utils.plugins import ROLLOUT_ENGINES, installed_plugins
 from miles.utils.tokenizers import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-
-def resolve_engine(choice: str, has_gpus: bool) -> str:
-    """--rollout-engine auto: SGLang with GPUs when installed, else the reference engine."""
-    if choice != "auto":
-        return choice
-    sglang = importlib.util.find_spec("sglang") is not None and "sglang" in installed_plugins(
-        ROLLOUT_ENGINES
-    )
-    return "sglang" if has_gpus and sglang else "reference"
-
-
-def resolve_router(choice: str) -> str:
-    """--rollout-router auto: sglang-router when installed, else the built-in balancer."""
-    if choice != "auto":
-        return choice
-    return "sglang-router" if importlib.util.find_spec("sglang_router") else "builtin"
-
-
-def engine_launch_spec(
-    config: MilesConfig,
-    engine: str,
-    index: int,
-    log_dir: Path,
-    *,
-    visible_devices: list[str] | None = None,
-) -> dict:
-    """EngineLaunchSpec fields of engine `index` of kind `engine` ("sglang" or "reference");
-    `visible_devices`: the GPU ids of its bundles (`Placement.engine_devices`)."""
-    extra_args = dict(config.engine.sglang_extra_args)
-    if engine == "sglang" and config.cluster.colocate:
-        # Without the memory saver, SGLang answers /release_memory_occupation with success and
-        # keeps every byte: the colocated trainer would then run out of device memory.
-        extra_args.setdefault("enable-memory-saver", True)
-    return {
-        "model_path": config.checkpoint.hf_checkpoint,
-        "num_devices": config.cluster.rollout_num_gpus_per_engine,
-        "dtype": config.engine.engine_dtype,
-        "max_running_requests": config.engine.engine_max_running_requests,
-        "mem_fraction_static": config.engine.engine_mem_fraction_static,
-        "random_seed": config.training.seed + index,
-        "startup_timeout_s": config.engine.engine_startup_timeout_s,
-        "log_path": str(log_dir / f"engine_{index}.log"),
-        "extra_args": extra_args,
-        "visible_devices": visible_devices,
-        # Whatever makes the requests ask (--return-routed-experts, or R3 that sets it).
-        "return_routed_experts": config.rollout.return_routed_experts,
-    }
-
-
-class EngineFailedError(RuntimeError):
-    """An engine failed a call of the rollout: the call's error and the end of its log."""
+# Evaluation samples with the rollout settings' default seed, not --rollout-seed: that is how held-out
+# samples have always been drawn, and a run's evaluations stay comparable across seeds.
+_EVAL_ROLLOUT_SEED = RolloutConfig.__dataclass_fields__["rollout_seed"].default
 
 
 @dataclasses.dataclass(frozen=True)
 class _Prompts:
-    """What `load_data` read: the training prompts, served in order, and the eval prompts."""
+    """What `load_data` read: the tokenizer, the training prompts, served in order, and the eval
+    prompts."""
 
+    tokenizer: Any
     dataset: PromptDataset
     source: RolloutDataSource
     eval_sources: dict[str, tuple[PromptDataset, DataSourceConfig]]
@@ -130,32 +70,18 @@ class RolloutManager:
 
     def __init__(self, config: MilesConfig, placement: Placement | None, *, dp_size: int):
         self.config = config
-        self.placement = placement
         self.dp_size = dp_size
         self.reward_hub = RewardHub(config.reward)
         # The built-in rollout is this flag's default: it is loaded and called like a custom one.
-        self.rollout_function = load_function(
-            config.rollout.rollout_function_path, ROLLOUT_FUNCTION_FLAG
-        )
+        self.rollout = load_rollout(config.rollout, run_config=config)
+        self.engines = EngineFleet(config, placement)
         self._data: _Prompts | None = None
-        self.engine_actors: list[Any] = []
-        self.engine_urls: list[str] = []
-        self.router: RouterProcess | None = None
-        self.pool: EnginePool | None = None
-        self.supervisor: EngineSupervisor | None = None
-        self.teachers: TeacherEngines | None = None  # --use-opd
-        self._engine_kind = ""
-        self._engine_specs: list[dict[str, Any]] = []
-        # The engines this run launches answer admin calls (weights, memory, pause, abort) only
-        # to holders of this key: the run's own clients and trainers.
-        self._admin_key = secrets.token_urlsafe(32)
-        self._has_gpus = False
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
         self._fully_async: FullyAsyncRollouts | None = None
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
-        self._train_data_import: asyncio.Future | None = None
+        self._train_data_import: asyncio.Future[ModuleType] | None = None
 
     async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
@@ -173,6 +99,7 @@ class RolloutManager:
         tokenizer = load_tokenizer(self.config.checkpoint.hf_checkpoint)
         dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
         return _Prompts(
+            tokenizer=tokenizer,
             dataset=dataset,
             source=RolloutDataSource(dataset, self.config.data),
             eval_sources=self._eval_sources(tokenizer),
@@ -215,46 +142,19 @@ class RolloutManager:
             "context_length": int(context) if context else None,
         }
 
-    # -- engines -----------------------------------------------------------------------------
+    # -- engines (miles.ray.engine_fleet) ------------------------------------------------------
 
     async def start_engines(self) -> list[str]:
         """Launch every engine in its bundle, wait until all answer, set up the balancing."""
-        config = self.config
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        engine = resolve_engine(config.cluster.rollout_engine, has_gpus)
-        num_engines = len(self.placement.plan.engine_bundles) if self.placement else 1
-        log_dir = Path(config.engine.engine_log_dir or Path(config.logging.output_dir) / "engines")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        start, starts = time.perf_counter(), []
-        self._engine_kind, self._has_gpus = engine, has_gpus
-        for i in range(num_engines):
-            actor = self._engine_actor(i, has_gpus)
-            devices = self.placement.engine_devices(i) if self.placement else None
-            spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
-            spec["admin_api_key"] = self._admin_key
-            self.engine_actors.append(actor)
-            self._engine_specs.append(spec)
-            starts.append(actor.start.remote(engine, spec))
-        logger.info("starting %d %s engine(s); logs in %s", num_engines, engine, log_dir)
-        students, _ = await asyncio.wait_for(
-            asyncio.gather(asyncio.gather(*starts), self._start_teachers(engine, has_gpus)),
-            self._engine_start_bound_s,
-        )
-        self.engine_urls = list(students)
-        for spec, url in zip(self._engine_specs, self.engine_urls, strict=True):
-            spec["port"] = int(url.rsplit(":", 1)[1])  # a restart keeps the engine's URL
-        self._start_balancing()
-        if self.fault_tolerant:
-            self._start_supervisor()
-        self.startup_seconds["engines"] = time.perf_counter() - start
-        return list(self.engine_urls)
+        urls = await self.engines.start()
+        assert self.engines.start_seconds is not None
+        self.startup_seconds["engines"] = self.engines.start_seconds
+        return urls
 
-    async def _start_teachers(self, engine: str, has_gpus: bool) -> list[str]:
-        """--use-opd: the teacher engines, launched beside the student's; their URLs."""
-        if not self.config.distillation.use_opd:
-            return []
-        self.teachers = TeacherEngines(self.config, self.placement, admin_key=self._admin_key)
-        return await self.teachers.start(engine, self._engine_specs[0], has_gpus=has_gpus)
+    @property
+    def pool(self) -> EnginePool:
+        assert self.engines.pool is not None, "start_engines() first"
+        return self.engines.pool
 
     def where(self) -> str:
         """ "pid P on node A": where this manager runs (for messages about it)."""
@@ -262,161 +162,63 @@ class RolloutManager:
 
     def engine_admin_key(self) -> str:
         """The admin key of the engines this manager launched (for the trainers' weight pushes)."""
-        return self._admin_key
+        return self.engines.admin_key
 
     def uses_fault_tolerance(self) -> bool:
-        return self.fault_tolerant
-
-    @property
-    def fault_tolerant(self) -> bool:
-        """--use-fault-tolerance, or by default: more than one engine (not colocated)."""
-        choice = self.config.engine.use_fault_tolerance
-        if choice is not None:
-            return choice
-        return len(self.engine_urls) > 1 and not self.config.cluster.colocate
-
-    def _engine_actor(self, index: int, has_gpus: bool) -> Any:
-        colocate = self.config.cluster.colocate
-        share = COLOCATED_ENGINE_SHARE if colocate else 1.0
-        options: dict[str, Any] = {
-            "num_cpus": share * self.config.cluster.cpus_per_bundle,
-            "num_gpus": share if has_gpus else 0,
-        }
-        if self.placement is not None:
-            options["scheduling_strategy"] = self.placement.engine_scheduling(index)
-        return ray.remote(RolloutEngineActor).options(**options).remote()
-
-    def _start_balancing(self) -> None:
-        router_url = None
-        if len(self.engine_urls) > 1 and resolve_router(self.config.engine.rollout_router) == (
-            "sglang-router"
-        ):
-            log = Path(self.config.logging.output_dir) / "engines" / "router.log"
-            self.router = RouterProcess(
-                RouterConfig(worker_urls=self.engine_urls, policy="cache_aware"), log_path=log
-            )
-            self.router.start()
-            router_url = self.router.url
-            logger.info("sglang-router at %s fronts %d engines", router_url, len(self.engine_urls))
-        self.pool = EnginePool(
-            self.engine_urls,
-            router_url=router_url,
-            timeout_s=self.config.engine.rollout_request_timeout_s,
-            per_token_s=self.config.engine.rollout_request_timeout_per_token_s,
-            control_timeout_s=self.config.engine.engine_control_timeout_s,
-            weights_timeout_s=self.config.engine.update_weights_timeout_s,
-            fault_tolerant=self.fault_tolerant,
-            api_key=self._admin_key,
-        )
-
-    # -- fault tolerance (architecture.md: "Fault tolerance") -----------------------------------
-
-    def _start_supervisor(self) -> None:
-        assert self.pool is not None
-        engine, training = self.config.engine, self.config.training
-        config = FaultToleranceConfig(
-            interval_s=engine.rollout_health_check_interval_s,
-            timeout_s=engine.rollout_health_check_timeout_s,
-            max_restarts=engine.max_engine_restarts,
-            needs_weights=not training.debug_rollout_only,
-        )
-        router = self.router
-        self.supervisor = EngineSupervisor(
-            self.pool, config, restart=self._restart_engine, log_tail=self.engine_log_tail,
-            on_remove=(lambda url: asyncio.to_thread(router.remove_worker, url)) if router else None,
-            on_return=(lambda url: asyncio.to_thread(router.add_worker, url)) if router else None,
-        )  # fmt: skip
-        self.supervisor.start()
-        logger.info("fault tolerance: /health every %.0f s (bound %.0f s), %d restart(s) per engine",
-                    config.interval_s, config.timeout_s, config.max_restarts)  # fmt: skip
-
-    async def _restart_engine(self, index: int) -> None:
-        """Stop what is left of engine `index` and start it again in its bundle, at its URL."""
-        actor = self.engine_actors[index]
-        try:
-            await asyncio.wait_for(actor.shutdown.remote(grace_s=2.0), 60)
-        except Exception as err:  # the actor is gone or stuck too: a new one in the same bundle
-            logger.warning(
-                "engine %d's actor did not stop its engine (%s); replacing it", index, err
-            )
-            ray.kill(actor)
-            actor = self._engine_actor(index, self._has_gpus)
-            self.engine_actors[index] = actor
-        await asyncio.wait_for(
-            actor.start.remote(self._engine_kind, self._engine_specs[index]),
-            self._engine_start_bound_s,
-        )
-
-    @property
-    def _engine_start_bound_s(self) -> float:
-        """An engine actor's start waits at most --engine-startup-timeout-s for its server; a
-        minute more covers the actor itself (launching the process, reporting the URL)."""
-        return self.config.engine.engine_startup_timeout_s + 60.0
-
-    def engine_log_tail(self, index: int, lines: int = 20) -> str:
-        """The last lines of engine `index`'s log file (its output across restarts)."""
-        path = self._engine_specs[index]["log_path"]
-        try:
-            text = file_tail(path, lines)
-        except OSError as err:
-            return f"(no log at {path}: {err})"
-        return "\n".join(f"  {line}" for line in text.splitlines()) or "  (empty)"
+        return self.engines.fault_tolerant
 
     def engines_awaiting_weights(self) -> list[str]:
         """Restarted engines that serve again once the trainers pushed them the weights."""
-        return self.supervisor.awaiting_weights() if self.supervisor else []
+        return self.engines.engines_awaiting_weights()
 
     async def recover_engines(self) -> list[str]:
-        """Before a weight update: check every engine now, wait until none is restarting
-        (bounded by --engine-startup-timeout-s); the engines then awaiting weights."""
-        if self.supervisor is None:
-            return []
-        await self.supervisor.check_now()
-        return await self.supervisor.wait_restarted(self.config.engine.engine_startup_timeout_s)
+        """Before a weight update: the engines awaiting weights once none is restarting."""
+        return await self.engines.recover_engines()
 
     async def admit_engines(self, urls: list[str], weight_version: int | None) -> None:
-        """Put restarted engines back in service once each reports `weight_version` (the
-        trainers' version after pushing it to them; None: the checkpoint's weights)."""
-        assert self.supervisor is not None, "admit_engines() needs fault tolerance"
-        expected = None if weight_version is None else str(weight_version)
-        for url in urls:
-            async with EngineClient(url, max_retries=0) as client:
-                found = (await client.get_model_info()).get("weight_version")
-            if expected is not None and str(found) != expected:
-                raise RuntimeError(
-                    f"restarted engine {url} reports weight version {found!r} after the weight "
-                    f"push, not {expected!r}: it would generate with other weights than the rest"
-                )
-        await self.supervisor.admit(urls)
+        """Put restarted engines back in service once each reports `weight_version`."""
+        await self.engines.admit_engines(urls, weight_version)
 
     def fault_metrics(self) -> dict[str, float]:
-        return self.supervisor.metrics() if self.supervisor else {}
-
-    def _explain_engine_error(self, err: EngineError) -> RuntimeError:
-        """An engine's failure, with the end of its log (the engine's own words)."""
-        url = err.url.rstrip("/")
-        if url not in self.engine_urls:
-            return err
-        index = self.engine_urls.index(url)
-        return EngineFailedError(
-            f"engine {index} at {url} failed: {err}\nthe end of its log "
-            f"({self._engine_specs[index]['log_path']}):\n{self.engine_log_tail(index)}"
-        )
+        return self.engines.fault_metrics()
 
     async def engine_pids(self) -> list[int]:
         """Process ids of the engine servers (for monitoring, and tests that check shutdown)."""
-        return list(await asyncio.gather(*[a.pid.remote() for a in self.engine_actors]))
+        return await self.engines.engine_pids()
 
     def get_engine_urls(self) -> list[str]:
-        return list(self.engine_urls)
+        return list(self.engines.engine_urls)
 
     def get_teacher_urls(self) -> list[str]:
         """The teacher engines' URLs (--use-opd); none without."""
-        return list(self.teachers.urls) if self.teachers else []
+        return list(self.engines.teachers.urls) if self.engines.teachers else []
 
     def get_startup_seconds(self) -> dict[str, float]:
         """How long `start_engines` and `load_data` took (each measured here, where it ran)."""
         return dict(self.startup_seconds)
+
+    def _context(
+        self,
+        source: Any,
+        rollout: RolloutConfig,
+        data: DataSourceConfig,
+        score_groups: Any,
+    ) -> RolloutContext:
+        """What a rollout made from `source` with `rollout`'s settings reads."""
+        return RolloutContext(
+            pool=self.pool,
+            data_source=source,
+            score_groups=score_groups,
+            rollout=rollout,
+            data=data,
+            tokenizer=self._loaded().tokenizer,
+            chat_template=data.chat_template,
+            model_path=self.config.checkpoint.hf_checkpoint,
+            requests=RequestSlots(rollout.rollout_concurrency),
+        )
+
+    def _train_context(self) -> RolloutContext:
+        return self._context(self.data_source, self.config.rollout, self.config.data, self._score)
 
     # -- one rollout -------------------------------------------------------------------------
 
@@ -430,7 +232,7 @@ class RolloutManager:
         try:
             groups, metrics = await self._rollout(rollout_id)
         except EngineError as err:
-            raise self._explain_engine_error(err) from err
+            raise self.engines.explain(err) from err
         unscored = [g for g in groups if any(s.reward is None for s in g)]
         if unscored:  # a custom rollout function may leave scoring to the hub
             await self._score(unscored)
@@ -445,8 +247,9 @@ class RolloutManager:
         Every way of making a rollout (one rollout at a time, or taken from the fully-async
         buffer) ends here."""
         train_data = await self._train_data_module()
-        if self.teachers is not None:  # --use-opd: the teacher's log-prob of every response token
-            metrics = {**metrics, **await self.teachers.score(groups)}
+        teachers = self.engines.teachers
+        if teachers is not None:  # --use-opd: the teacher's log-prob of every response token
+            metrics = {**metrics, **await teachers.score(groups)}
         shards = train_data.build_train_data(groups, self.config.algorithm, dp_size=self.dp_size)
         metrics = {**metrics, **train_data.rollout_metrics(groups), **self._reward_metrics}
         return {"data": [ray.put(shard) for shard in shards], "metrics": metrics}
@@ -458,29 +261,16 @@ class RolloutManager:
         it), so the import runs while the rollout generates, when the engines work on other
         cores, instead of during start-up, when every process of the run imports at once."""
         if self._train_data_import is None:
-            self._train_data_import = asyncio.ensure_future(
-                asyncio.to_thread(importlib.import_module, "miles.rollout.train_data")
-            )
+            self._train_data_import = asyncio.ensure_future(asyncio.to_thread(_import_train_data))
 
-    async def _train_data_module(self) -> Any:
+    async def _train_data_module(self) -> ModuleType:
         self._start_train_data_import()
         assert self._train_data_import is not None
         return await self._train_data_import
 
     async def _rollout(self, rollout_id: int) -> tuple[list[list[Any]], dict[str, float]]:
-        assert self.pool is not None, "start_engines() before generate()"
-        result = self.rollout_function(
-            rollout_id,
-            pool=self.pool,
-            data_source=self.data_source,
-            score_groups=self._score,
-            config=self.config,
-        )
-        if asyncio.iscoroutine(result):
-            result = await result
-        if isinstance(result, RolloutOutput):
-            return result.groups, dict(result.metrics)
-        return result, {}
+        output = await self.rollout.generate_rollout(self._train_context(), rollout_id)
+        return output.groups, dict(output.metrics)
 
     async def _score(self, groups: list[list[Any]]) -> Any:
         report = await self.reward_hub.score_groups(groups)
@@ -497,34 +287,34 @@ class RolloutManager:
     async def eval(self, rollout_id: int) -> dict[str, float]:
         """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once).
 
-        Each held-out sample is made as the rollout function makes its own where it says how
-        (`generate.sample_generator`: the tool rollout's multi-turn exchange with the tools),
-        else by --custom-generate-function-path, else by one /generate call."""
-        assert self.pool is not None, "start_engines() before eval()"
+        Each held-out sample is made by the rollout's `for_evaluation()` rollout: the run's own
+        (a tool rollout's multi-turn exchange with the tools), or for SFT the generating one."""
         self._start_train_data_import()
-
         metrics: dict[str, float] = {}
-        generate_fn = await sample_generator(self.rollout_function, self.config)
+        rollout = self.rollout.for_evaluation()
         for name, (dataset, data_config) in self.eval_sources.items():
             # A fresh source per evaluation: every prompt once, in file order.
             source = RolloutDataSource(dataset, data_config)
             eval_config = self._eval_rollout_config(len(dataset))
+            ctx = self._context(source, eval_config, data_config, self.reward_hub.score_groups)
             try:
-                output = await generate_groups(
-                    self.pool, source, self.reward_hub.score_groups, eval_config,
-                    rollout_id=rollout_id, generate_fn=generate_fn,
-                )  # fmt: skip
+                output = await run_groups(ctx, rollout.generate_group, rollout_id=rollout_id)
             except EngineError as err:
-                raise self._explain_engine_error(err) from err
+                raise self.engines.explain(err) from err
             train_data = await self._train_data_module()
             metrics.update(train_data.eval_metrics(output.groups, name))
         return metrics
 
     def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:
+        """The run's rollout settings for one evaluation set: every prompt once, the --eval-*
+        sampling, no filter, no partial rollout, no routing kept; the multi-turn settings
+        (tools, agent, turns) stay the run's."""
         rollout, eval_ = self.config.rollout, self.config.eval
-        return RolloutConfig(
+        return dataclasses.replace(
+            rollout,
             rollout_batch_size=num_prompts,
             n_samples_per_prompt=eval_.n_samples_per_eval_prompt,
+            over_sampling_batch_size=None,
             rollout_max_response_len=eval_.eval_max_response_len
             or rollout.rollout_max_response_len,
             rollout_temperature=(
@@ -532,23 +322,20 @@ class RolloutManager:
                 if eval_.eval_temperature is not None
                 else rollout.rollout_temperature
             ),
-            rollout_top_p=rollout.rollout_top_p,
-            rollout_top_k=rollout.rollout_top_k,
-            rollout_stop=rollout.rollout_stop,
-            rollout_stop_token_ids=rollout.rollout_stop_token_ids,
-            rollout_concurrency=rollout.rollout_concurrency,
-            custom_generate_function_path=rollout.custom_generate_function_path,
+            dynamic_sampling_filter_path=None,
+            partial_rollout=False,
+            return_routed_experts=False,
+            mask_offpolicy_in_partial_rollout=False,
+            rollout_seed=_EVAL_ROLLOUT_SEED,
         )
 
     # -- memory, checkpoints, shutdown ---------------------------------------------------------
 
     async def offload(self) -> None:
         """Free the engines' device memory (weights and KV cache) for colocated training."""
-        assert self.pool is not None
         await self.pool.release_memory_occupation()
 
     async def onload(self, tags: list[str] | None = None) -> None:
-        assert self.pool is not None
         await self.pool.resume_memory_occupation(tags)
 
     def save(self, rollout_id: int) -> Path:
@@ -589,35 +376,14 @@ class RolloutManager:
         if self._fully_async is not None:
             await self._fully_async.stop()
             self._fully_async = None
-        if self.supervisor is not None:
-            await self.supervisor.stop()
-            self.supervisor = None
-        if self.pool is not None:
-            await self.pool.aclose()
-            self.pool = None
         await self.reward_hub.aclose()
-        if self.teachers is not None:
-            await self.teachers.dispose()
-            self.teachers = None
-        if self.router is not None:
-            self.router.shutdown()
-            self.router = None
-        if self.engine_actors:
-            stops = asyncio.gather(*[actor.shutdown.remote() for actor in self.engine_actors])
-            try:
-                await asyncio.wait_for(stops, 60)
-            except Exception as err:  # a hung or dead actor: killed below with the rest
-                logger.warning("stopping the engines: %s", describe(err))
-            for actor in self.engine_actors:
-                ray.kill(actor)
-            self.engine_actors = []
+        await self.engines.dispose()
 
     # -- fully-async generation (miles.rollout.fully_async) ---------------------------------
 
     async def start_fully_async(self, weight_version: int) -> None:
         """Start generating in the background with the engines at `weight_version`, from the
         buffer of the resumed checkpoint if there is one."""
-        assert self.pool is not None, "start_engines() before start_fully_async()"
         training, rollout = self.config.training, self.config.rollout
         assert training.fully_async_buffer_groups is not None, "derived by the config"
         config = FullyAsyncConfig(
@@ -627,10 +393,7 @@ class RolloutManager:
             partial_rollout=rollout.partial_rollout,
             mask_offpolicy=rollout.mask_offpolicy_in_partial_rollout,
         )
-        run_group = group_runner(
-            self.pool, self.data_source, self._score, rollout,
-            generate_fn=await sample_generator(self.rollout_function, self.config),
-        )  # fmt: skip
+        run_group = group_runner(self._train_context(), self.rollout.generate_group)
         buffer = FullyAsyncRollouts(
             run_group, self.data_source, self.pool, config, weight_version=weight_version
         )
@@ -648,7 +411,7 @@ class RolloutManager:
         try:
             groups, metrics = await self._fully_async.take(self.config.rollout.rollout_batch_size)
         except EngineError as err:
-            raise self._explain_engine_error(err) from err
+            raise self.engines.explain(err) from err
         result = await self._train_data(groups, metrics)
         result["metrics"]["rollout/time_s"] = time.perf_counter() - start
         # Scoring runs all the time: each rollout reports what was scored since the last one.
@@ -663,8 +426,16 @@ class RolloutManager:
         try:
             await self._fully_async.pause_for_update()
         except EngineError as err:
-            raise self._explain_engine_error(err) from err
+            raise self.engines.explain(err) from err
 
     async def resume_after_weight_update(self, weight_version: int) -> None:
         assert self._fully_async is not None, "start_fully_async() first"
         await self._fully_async.resume_after_update(weight_version)
+
+
+def _import_train_data() -> ModuleType:
+    """`miles.rollout.train_data`, imported late on purpose: it imports torch (seconds), which
+    nothing of this process needs before a rollout's end (see the module docstring)."""
+    from miles.rollout import train_data
+
+    return train_data

@@ -3,7 +3,7 @@ client, and miles records it token-exactly.
 
     async def run(client: openai.AsyncOpenAI, sample: Sample) -> str | None
 
-Select it with `--rollout-function-path miles.rollout.agent_rollout:generate_agent_rollout
+Select it with `--rollout-function-path miles.rollout.agent_rollout:AgentRollout
 --agent-function-path my_agent:run --apply-chat-template`. For each sample miles opens a session
 on its session server (`session_server.py`), hands `run` a client whose base URL is that
 session's, and awaits it for at most --session-timeout-s. `sample.messages` is the row's chat;
@@ -22,44 +22,32 @@ handed back as its prompt, to start again).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
-from miles.backends.training_utils.import_path import ImportPathError, load_function
 from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.rollout.agent_function import load_agent
 from miles.rollout.agent_session import AgentSession, SessionEnd
+from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
-from miles.rollout.sample_generation import GenerateFunction
+from miles.rollout.sample_rollout import SampleRollout
 from miles.rollout.session_server import SessionServer
-from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.rollout.data_source import DataSourceConfig
+    from miles.rollout.rollout_config import RolloutConfig
 
 logger = logging.getLogger(__name__)
-
-AGENT_FLAG = "--agent-function-path"
 
 # One session server per event loop (the rollout manager has one loop; a test may have several).
 _servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionServer] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def load_agent(path: str) -> Any:
-    """The agent function `path` names; it must be `async def run(client, sample)`."""
-    agent = load_function(path, AGENT_FLAG)
-    if not inspect.iscoroutinefunction(agent):
-        raise ImportPathError(
-            f"{AGENT_FLAG} {path!r} names a plain function; an agent is "
-            "`async def run(client, sample) -> str | None`"
-        )
-    return agent
+# One token spelling table per tokenizer: it fills as sessions spell tokens.
+_spellings: weakref.WeakKeyDictionary[Any, TokenSpelling] = weakref.WeakKeyDictionary()
 
 
 async def session_server(host: str, model_name: str) -> SessionServer:
@@ -76,32 +64,35 @@ async def session_server(host: str, model_name: str) -> SessionServer:
     return server
 
 
-async def generate_agent_rollout(
-    rollout_id: int,
-    *,
-    pool: EnginePool,
-    data_source: DataSource,
-    score_groups: ScoreGroups,
-    config: MilesConfig,
-) -> RolloutOutput:
-    """A rollout function (--rollout-function-path): `generate_groups` with each sample made by
-    the agent over a session, and the sessions' counts added to the rollout's metrics."""
-    runner = await AgentRunner.for_run(config)
-    output = await generate_groups(
-        pool, data_source, score_groups, config.rollout, rollout_id=rollout_id,
-        generate_fn=runner.generate,
-    )  # fmt: skip
-    output.metrics.update(session_metrics([s for group in output.groups for s in group]))
-    return output
+class AgentRollout(SampleRollout):
+    """Rollouts made by agents: each sample is one session of --agent-function-path's agent
+    (`AgentRunner.generate`), and a training rollout's metrics add the sessions' counts."""
+
+    def check(self, rollout: RolloutConfig, data: DataSourceConfig) -> None:
+        if not rollout.agent_function_path:
+            raise ValueError(
+                "miles.rollout.agent_rollout needs --agent-function-path: the agent that drives "
+                "each sample's session"
+            )
+        if not data.apply_chat_template:
+            raise ValueError(
+                "miles.rollout.agent_rollout renders sessions with the chat template: pass "
+                "--apply-chat-template"
+            )
+
+    async def generate_sample(
+        self, ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]
+    ) -> Sample:
+        runner = await AgentRunner.for_context(ctx)
+        return await runner.generate(ctx.pool, sample, sampling_params)
+
+    async def generate_rollout(self, ctx: RolloutContext, rollout_id: int) -> RolloutOutput:
+        output = await super().generate_rollout(ctx, rollout_id)
+        output.metrics.update(session_metrics([s for group in output.groups for s in group]))
+        return output
 
 
-async def agent_sample_generator(config: MilesConfig) -> GenerateFunction:
-    """One sample's session with the run's agent: what evaluation makes held-out samples with
-    (`generate.sample_generator`), so an agent run is evaluated over the same sessions."""
-    return (await AgentRunner.for_run(config)).generate
-
-
-generate_agent_rollout.sample_generator = agent_sample_generator  # type: ignore[attr-defined]
+generate_agent_rollout = AgentRollout  # its name in earlier versions' --rollout-function-path
 
 
 def session_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -129,25 +120,20 @@ class AgentRunner:
                  max_turns: int, timeout_s: float) -> None:  # fmt: skip
         self.agent, self.tokenizer, self.template, self.server = agent, tokenizer, template, server
         self.max_turns, self.timeout_s = max_turns, timeout_s
-        self.spelling = TokenSpelling(tokenizer)
+        spelling = _spellings.get(tokenizer)
+        if spelling is None:
+            spelling = _spellings[tokenizer] = TokenSpelling(tokenizer)
+        self.spelling = spelling
 
     @classmethod
-    async def for_run(cls, config: MilesConfig) -> AgentRunner:
-        rollout = config.rollout
-        if not rollout.agent_function_path:
-            raise ValueError(
-                "miles.rollout.agent_rollout needs --agent-function-path: the agent that drives "
-                "each sample's session"
-            )
-        if not config.data.apply_chat_template:
-            raise ValueError(
-                "miles.rollout.agent_rollout renders sessions with the chat template: pass "
-                "--apply-chat-template"
-            )
-        path = config.checkpoint.hf_checkpoint
-        server = await session_server(rollout.session_server_host, path)
+    async def for_context(cls, ctx: RolloutContext) -> AgentRunner:
+        """The runner of a rollout: its agent, tokenizer, chat template, the loop's session
+        server and the bounds (the agent rollout's `check` has made sure they are there)."""
+        rollout = ctx.rollout
+        assert rollout.agent_function_path, "AgentRollout.check refuses a run without an agent"
+        server = await session_server(rollout.session_server_host, ctx.model_path)
         return cls(
-            load_agent(rollout.agent_function_path), load_tokenizer(path), config.data.chat_template,
+            load_agent(rollout.agent_function_path), ctx.tokenizer, ctx.chat_template,
             server, max_turns=rollout.max_turns, timeout_s=rollout.session_timeout_s,
         )  # fmt: skip
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from miles.backends.training_utils.sample import Sample
 from miles.rollout.data_source import RolloutDataSource, sample_from_dict, sample_to_dict
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import GroupOutcome
+from miles.rollout.group_loop import GroupOutcome
 from miles.rollout.sample_generation import as_weight_version
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class _Ready:
 
 
 RunGroup = Callable[[list[Sample]], Awaitable[GroupOutcome]]
-"""Generate, score and filter one group in place (`miles.rollout.generate.group_runner`)."""
+"""Generate, score and filter one group in place (`miles.rollout.group_loop.group_runner`)."""
 
 
 class FullyAsyncRollouts:

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.backends.training_utils.import_path import split_import_path
+from miles.rollout.agent_function import load_agent
 from miles.rollout.filters import check_filter_path
+from miles.rollout.tools import load_tools
 
 ROLLOUT_FUNCTION_FLAG = "--rollout-function-path"
 GENERATE_FLAG = "--custom-generate-function-path"
-DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.generate:generate_rollout"
+DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.single_turn:SingleTurnRollout"
 
 
 @dataclass(kw_only=True)
@@ -53,18 +55,20 @@ class RolloutConfig:
     tokens made by older weights than a sample's newest get loss mask 0."""
     custom_generate_function_path: str | None = None
     """--custom-generate-function-path: "pkg.mod:fn", async fn(pool, sample, sampling_params) ->
-    Sample, replacing `generate_sample` (multi-turn, tools, ...)."""
+    Sample, making each sample of the built-in single-turn rollout in place of one /generate."""
     rollout_function_path: str = DEFAULT_ROLLOUT_FUNCTION
-    """--rollout-function-path: "pkg.mod:fn" making a whole rollout: fn(rollout_id, *, pool,
-    data_source, score_groups, config) -> RolloutOutput or a list of groups (sync or async);
-    unscored samples are then scored by the reward hub. The default is the built-in; e.g.
-    miles.rollout.sft_rollout:sft_rollout for a supervised warm-up."""
+    """--rollout-function-path: "pkg.mod:Class", the rollout (a miles.rollout.contract.Rollout
+    subclass): miles.rollout.tool_rollout:ToolRollout, miles.rollout.agent_rollout:AgentRollout,
+    miles.rollout.sft_rollout:SftRollout for a supervised warm-up, or your own. A function of
+    earlier versions, fn(rollout_id, *, pool, data_source, score_groups, config) returning a
+    RolloutOutput or a list of groups, still works (its unscored samples are scored by the
+    reward hub)."""
     rollout_seed: int = 42
     """--rollout-seed: seeds the prompt order and every request's sampler (`sampling_seed`), so
     a resumed run samples what the uninterrupted one would have."""
     tool_paths: list[str] | None = None
     """--tool-paths: "pkg.mod:fn" functions the policy may call in a multi-turn rollout
-    (--rollout-function-path miles.rollout.tool_rollout:generate_tool_rollout); each parameter
+    (--rollout-function-path miles.rollout.tool_rollout:ToolRollout); each parameter
     annotated with int, float, str, bool, list or dict."""
     max_turns: int = 4
     """--max-turns: model turns of one multi-turn sample; a sample still calling tools after the
@@ -74,7 +78,7 @@ class RolloutConfig:
     agent_function_path: str | None = None
     """--agent-function-path: "pkg.mod:fn", `async def run(client, sample) -> str | None`, an
     agent driving each sample's conversation through an OpenAI client (--rollout-function-path
-    miles.rollout.agent_rollout:generate_agent_rollout); needs the `openai` package
+    miles.rollout.agent_rollout:AgentRollout); needs the `openai` package
     (miles[agents])."""
     session_timeout_s: float = 600.0
     """--session-timeout-s: how long one agent session may run; past it the sample is failed."""
@@ -96,7 +100,7 @@ class RolloutConfig:
                               ("--session-timeout-s", self.session_timeout_s)):  # fmt: skip
             if not seconds > 0:
                 raise ValueError(f"{flag} ({seconds}) must be positive")
-        self._check_agent_flags()
+        self._load_user_functions()
         if self.rollout_temperature < 0:
             raise ValueError(
                 f"--rollout-temperature ({self.rollout_temperature}) must be >= 0 (0 is greedy)"
@@ -110,26 +114,12 @@ class RolloutConfig:
             split_import_path(self.custom_generate_function_path, GENERATE_FLAG)
         split_import_path(self.rollout_function_path, ROLLOUT_FUNCTION_FLAG)
 
-    def _check_agent_flags(self) -> None:
+    def _load_user_functions(self) -> None:
         # Imported now: a missing or unusable tool or agent stops the run before anything starts.
         if self.tool_paths:
-            from miles.rollout.tools import load_tools
-
             load_tools(self.tool_paths)
         if self.agent_function_path:
-            from miles.rollout.agent_rollout import load_agent
-
             load_agent(self.agent_function_path)
-        for flag, value, user in (
-            ("--tool-paths", self.tool_paths, "miles.rollout.tool_rollout:generate_tool_rollout"),
-            ("--agent-function-path", self.agent_function_path,
-             "miles.rollout.agent_rollout:generate_agent_rollout"),
-        ):  # fmt: skip
-            if value and self.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION:
-                raise ValueError(
-                    f"{flag} is used by a multi-turn rollout function, and the default one "
-                    f"generates single turns; pass --rollout-function-path {user}"
-                )
 
     def _check_filter_flags(self) -> None:
         # Over-sampling only acts on groups a filter rejects; without a filter it would be a

@@ -1,7 +1,7 @@
 """Multi-turn rollouts with tools: the model answers, calls tools in Qwen's `<tool_call>` format,
 reads their results and answers again, up to --max-turns, and the whole exchange is one sample.
 
-Select it with `--rollout-function-path miles.rollout.tool_rollout:generate_tool_rollout`, with
+Select it with `--rollout-function-path miles.rollout.tool_rollout:ToolRollout`, with
 `--tool-paths` (the functions), `--apply-chat-template` (the chat the tools are shown in), and
 optionally `--tool-key` (each row's own tools). The sample is token-exact (architecture.md:
 "Agentic rollouts"): its tokens are the ids the engine read and wrote, the model's completions
@@ -26,50 +26,47 @@ from miles.backends.sglang_utils.client import EngineError
 from miles.backends.sglang_utils.tool_calls import parse_tool_calls
 from miles.backends.training_utils.sample import Sample, SampleStatus
 from miles.rollout.chat_turns import ChatTurns
+from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.engine_pool import EnginePool
-from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups
-from miles.rollout.sample_generation import (
-    GenerateFunction,
-    as_weight_version,
-    completion_of,
-    finish_status,
-)
+from miles.rollout.sample_generation import as_weight_version, completion_of, finish_status
+from miles.rollout.sample_rollout import SampleRollout
 from miles.rollout.tools import Tool, call_tool, load_tools
 from miles.rollout.trajectory import Trajectory
-from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.rollout.data_source import DataSourceConfig
+    from miles.rollout.rollout_config import RolloutConfig
 
 FAILURES = ("unknown tool", "bad arguments", "raised", "timeout")
 
 
-async def generate_tool_rollout(
-    rollout_id: int,
-    *,
-    pool: EnginePool,
-    data_source: DataSource,
-    score_groups: ScoreGroups,
-    config: MilesConfig,
-) -> RolloutOutput:
-    """A rollout function (--rollout-function-path): `generate_groups` with each sample made by
-    `ToolAgent.generate`, and the agent's counts added to the rollout's metrics."""
-    agent = ToolAgent.for_run(config)
-    output = await generate_groups(
-        pool, data_source, score_groups, config.rollout, rollout_id=rollout_id,
-        generate_fn=agent.generate,
-    )  # fmt: skip
-    output.metrics.update(agent_metrics([s for group in output.groups for s in group]))
-    return output
+class ToolRollout(SampleRollout):
+    """The multi-turn rollout with tools: each sample is one exchange (`ToolAgent.generate`), and
+    a training rollout's metrics add the exchanges' counts."""
+
+    def check(self, rollout: RolloutConfig, data: DataSourceConfig) -> None:
+        if not rollout.tool_paths:
+            raise ValueError(
+                "miles.rollout.tool_rollout needs --tool-paths: the functions the policy may call"
+            )
+        if not data.apply_chat_template:
+            raise ValueError(
+                "miles.rollout.tool_rollout shows the tools through the chat template: pass "
+                "--apply-chat-template"
+            )
+
+    async def generate_sample(
+        self, ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]
+    ) -> Sample:
+        return await ToolAgent.for_context(ctx).generate(ctx.pool, sample, sampling_params)
+
+    async def generate_rollout(self, ctx: RolloutContext, rollout_id: int) -> RolloutOutput:
+        output = await super().generate_rollout(ctx, rollout_id)
+        output.metrics.update(agent_metrics([s for group in output.groups for s in group]))
+        return output
 
 
-def tool_sample_generator(config: MilesConfig) -> GenerateFunction:
-    """One sample's exchange with the run's tools: what evaluation makes held-out samples with
-    (`generate.sample_generator`), so a tool-use run is evaluated over the same episodes."""
-    return ToolAgent.for_run(config).generate
-
-
-generate_tool_rollout.sample_generator = tool_sample_generator  # type: ignore[attr-defined]
+generate_tool_rollout = ToolRollout  # its name in earlier versions' --rollout-function-path
 
 
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -97,22 +94,17 @@ class ToolAgent:
         self.max_turns, self.timeout_s = max_turns, timeout_s
 
     @classmethod
-    def for_run(cls, config: MilesConfig) -> ToolAgent:
-        if not config.rollout.tool_paths:
-            raise ValueError(
-                "miles.rollout.tool_rollout needs --tool-paths: the functions the policy may call"
-            )
-        if not config.data.apply_chat_template:
-            raise ValueError(
-                "miles.rollout.tool_rollout shows the tools through the chat template: pass "
-                "--apply-chat-template"
-            )
+    def for_context(cls, ctx: RolloutContext) -> ToolAgent:
+        """The agent of a rollout: its tokenizer, chat template, tools and bounds (the tool
+        rollout's `check` has made sure they are there)."""
+        rollout = ctx.rollout
+        assert rollout.tool_paths, "ToolRollout.check refuses a run without --tool-paths"
         return cls(
-            load_tokenizer(config.checkpoint.hf_checkpoint),
-            config.data.chat_template,
-            _tools(tuple(config.rollout.tool_paths)),
-            max_turns=config.rollout.max_turns,
-            timeout_s=config.rollout.tool_timeout_s,
+            ctx.tokenizer,
+            ctx.chat_template,
+            _tools(tuple(rollout.tool_paths)),
+            max_turns=rollout.max_turns,
+            timeout_s=rollout.tool_timeout_s,
         )
 
     def _offered(self, sample: Sample) -> dict[str, Tool]:

@@ -1,6 +1,6 @@
-"""The rollout function: sample `n_samples_per_prompt` answers for each prompt, score each group as
-soon as it is complete, keep the groups the dynamic filter accepts, and return exactly
-`rollout_batch_size` of them.
+"""The built-in rollout loop: make `rollout_batch_size` groups with a rollout's `generate_group`,
+score each group as soon as it is complete, keep the groups the dynamic filter accepts, and return
+exactly `rollout_batch_size` of them.
 
 With a filter, prompts are submitted in rounds of `over_sampling_batch_size` whenever the groups
 kept plus those still generating could no longer fill the batch. Once the batch is full the
@@ -13,39 +13,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
-from miles.backends.training_utils.import_path import load_function
 from miles.backends.training_utils.sample import Sample, SampleStatus
-from miles.rollout.engine_pool import EngineLostError, EnginePool, EngineUnavailableError
+from miles.rollout.context import GroupGenerator, RolloutContext, RolloutOutput
+from miles.rollout.engine_pool import EngineLostError, EngineUnavailableError
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter
-from miles.rollout.rollout_config import GENERATE_FLAG, RolloutConfig
-from miles.rollout.sample_generation import (
-    GenerateFunction,
-    append_response,
-    generate_sample,
-    needs_generation,
-)
 
-if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
-
-__all__ = [
-    "DataSource",
-    "GroupOutcome",
-    "RolloutConfig",
-    "RolloutOutput",
-    "ScoreGroups",
-    "generate_groups",
-    "generate_rollout",
-    "group_runner",
-    "sample_generator",
-]
+__all__ = ["GroupOutcome", "group_runner", "run_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,89 +35,25 @@ _ABORT_POLL_S = 0.5
 _MAX_GROUP_REISSUES = 8
 
 
-@dataclass
-class RolloutOutput:
-    """The kept groups, in the order their prompts were submitted, and the rollout's metrics."""
-
-    groups: list[list[Sample]]
-    metrics: dict[str, float]
-
-
-class DataSource(Protocol):
-    """Where prompts come from (miles.rollout.data_source.RolloutDataSource)."""
-
-    def get_samples(self, num_prompts: int) -> list[list[Sample]]: ...
-
-    def add_samples(self, groups: list[list[Sample]]) -> None: ...
-
-
-ScoreGroups = Callable[[list[list[Sample]]], Awaitable[Any]]
-"""Sets `sample.reward` on every sample of the groups (the reward hub's `score_groups`)."""
-
-
-async def generate_rollout(
-    rollout_id: int,
-    *,
-    pool: EnginePool,
-    data_source: DataSource,
-    score_groups: ScoreGroups,
-    config: MilesConfig,
+async def run_groups(
+    ctx: RolloutContext, generate_group: GroupGenerator, *, rollout_id: int
 ) -> RolloutOutput:
-    """The built-in rollout function, the default of --rollout-function-path (and called exactly
-    like a custom one): `generate_groups` with the run's rollout settings."""
-    return await generate_groups(
-        pool, data_source, score_groups, config.rollout, rollout_id=rollout_id
-    )
-
-
-async def sample_generator(rollout_function: Any, config: MilesConfig) -> GenerateFunction | None:
-    """How `rollout_function` makes one sample, where it says so, for evaluation to make held-out
-    samples the same way (a multi-turn rollout is evaluated over multi-turn exchanges).
-
-    A rollout function says so with a `sample_generator` attribute: a function of the run's
-    config returning a GenerateFunction, or an awaitable of one (e.g. the tool rollout's
-    `ToolAgent.generate`). None: it does not say, and a sample is made the built-in way
-    (--custom-generate-function-path, else one /generate call)."""
-    make = getattr(rollout_function, "sample_generator", None)
-    if make is None:
-        return None
-    generate_fn = make(config)
-    if inspect.isawaitable(generate_fn):
-        generate_fn = await generate_fn
-    return generate_fn
-
-
-async def generate_groups(
-    pool: EnginePool,
-    data_source: DataSource,
-    score_groups: ScoreGroups,
-    config: RolloutConfig,
-    *,
-    rollout_id: int,
-    generate_fn: GenerateFunction | None = None,
-) -> RolloutOutput:
-    """Generate rollout `rollout_id`: exactly `config.rollout_batch_size` scored, kept groups.
+    """Make rollout `rollout_id`: exactly `ctx.rollout.rollout_batch_size` scored, kept groups,
+    each made by `generate_group` (a rollout's `Rollout.generate_group`).
 
     Groups come back in submission (prompt) order, not completion order, so that the training
-    batch does not depend on which request happened to finish first. `generate_fn` makes each
-    sample (default: --custom-generate-function-path, else one /generate call).
+    batch does not depend on which request happened to finish first.
     """
-    rollout = _Rollout(pool, data_source, score_groups, config, generate_fn)
-    return await rollout.run(rollout_id)
+    return await _GroupLoop(ctx.with_fresh_requests(), generate_group).run(rollout_id)
 
 
 def group_runner(
-    pool: EnginePool,
-    data_source: DataSource,
-    score_groups: ScoreGroups,
-    config: RolloutConfig,
-    *,
-    generate_fn: GenerateFunction | None = None,
+    ctx: RolloutContext, generate_group: GroupGenerator
 ) -> Callable[[list[Sample]], Awaitable[GroupOutcome]]:
-    """Run one group at a time exactly as `generate_groups` runs each of its groups: generate
-    (sent again from its start when an engine is lost), score, filter. For rollouts that are
-    not made one batch at a time (the fully-async buffer)."""
-    return _Rollout(pool, data_source, score_groups, config, generate_fn).run_group
+    """Run one group at a time exactly as `run_groups` runs each of its groups: generate (sent
+    again from its start when an engine is lost), score, filter. For rollouts that are not made
+    one batch at a time (the fully-async buffer)."""
+    return _GroupLoop(ctx.with_fresh_requests(), generate_group).run_group
 
 
 class GroupOutcome(enum.Enum):
@@ -152,34 +65,19 @@ class GroupOutcome(enum.Enum):
     UNSCORED = "unscored"  # finished after the batch was full: left over as it is
 
 
-class _Rollout:
-    """The state of one generate_groups call: submitted groups, their tasks, the counters."""
+class _GroupLoop:
+    """The state of one `run_groups` call: submitted groups, their tasks, the counters."""
 
-    def __init__(
-        self,
-        pool: EnginePool,
-        data_source: DataSource,
-        score_groups: ScoreGroups,
-        config: RolloutConfig,
-        generate_fn: GenerateFunction | None,
-    ):
-        """`generate_fn` makes each sample (default: --custom-generate-function-path, else one
-        /generate call)."""
-        if generate_fn is None:
-            generate_fn = generate_sample
-            if config.custom_generate_function_path:
-                generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
-        self.pool = pool
-        self.data_source = data_source
-        self.score_groups = score_groups
-        self.config = config
-        self.generate_fn = generate_fn
+    def __init__(self, ctx: RolloutContext, generate_group: GroupGenerator) -> None:
+        self.ctx = ctx
+        self.pool = ctx.pool
+        self.data_source = ctx.data_source
+        self.score_groups = ctx.score_groups
+        self.config = ctx.rollout
+        self.generate_group = generate_group
         self.group_filter: GroupFilter | None = None
-        if config.dynamic_sampling_filter_path:
-            self.group_filter = resolve_filter(config.dynamic_sampling_filter_path)
-        self.base_params = config.sampling_params()
-        self.slots = asyncio.Semaphore(config.rollout_concurrency)
-        self.stopping = False
+        if self.config.dynamic_sampling_filter_path:
+            self.group_filter = resolve_filter(self.config.dynamic_sampling_filter_path)
         self.groups: list[list[Sample]] = []  # every submitted group, by submission position
         self.tasks: dict[asyncio.Task[GroupOutcome], int] = {}  # running group -> its position
         self.kept: list[int] = []
@@ -294,91 +192,19 @@ class _Rollout:
         )
 
     async def _run_group_attempt(self, group: list[Sample]) -> GroupOutcome:
-        if self._batchable(group):
-            return await self._finish_group(group, await self._generate_group(group))
-        tasks = [asyncio.create_task(self._generate(sample)) for sample in group]
-        try:
-            group[:] = await asyncio.gather(*tasks)
-        except BaseException:
-            # A failing sample cancels its siblings; the first error propagates as it is.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return await self._finish_group(group, group)
-
-    async def _finish_group(self, group: list[Sample], generated: list[Sample]) -> GroupOutcome:
-        group[:] = generated
+        group[:] = await self.generate_group(self.ctx, group)
         if any(sample.status == SampleStatus.ABORTED for sample in group):
             return GroupOutcome.ABORTED
-        if self.stopping:
+        if self.ctx.requests.closed:
             return GroupOutcome.UNSCORED
         await self.score_groups([group])
         if self.group_filter is None or keep_group(self.group_filter, group):
             return GroupOutcome.KEPT
         return GroupOutcome.FILTERED
 
-    def _batchable(self, group: list[Sample]) -> bool:
-        """A fresh group with the default generate function goes out as one batched request:
-        the engine admits its samples together (one prefill, no trickle of single requests).
-        Behind a router, and for custom or resumed samples, each sample is its own request."""
-        return (
-            self.generate_fn is generate_sample
-            and self.pool.router_url is None
-            and all(s.response_length == 0 and s.status != SampleStatus.ABORTED for s in group)
-        )
-
-    async def _generate_group(self, group: list[Sample]) -> list[Sample]:
-        async with self.slots:
-            if self.stopping:  # the batch filled while this group waited for a slot
-                for sample in group:
-                    sample.status = SampleStatus.ABORTED
-                return group
-            params = [
-                {
-                    **self.base_params,
-                    "sampling_seed": self.config.sampling_seed(s.index, s.response_length),
-                }
-                for s in group
-            ]
-            payload = {
-                "input_ids": [s.tokens for s in group],
-                "sampling_params": params,
-                "return_logprob": True,
-            }
-            if self.config.return_routed_experts:
-                payload["return_routed_experts"] = True
-            responses = await self.pool.generate(payload)
-        if not isinstance(responses, list) or len(responses) != len(group):
-            raise ValueError(
-                f"a batched /generate of {len(group)} prompts answered "
-                f"{type(responses).__name__} of {len(responses) if isinstance(responses, list) else 1}"
-            )
-        return [append_response(s, r) for s, r in zip(group, responses, strict=True)]
-
-    async def _generate(self, sample: Sample) -> Sample:
-        if not needs_generation(sample):
-            return sample  # finished in an earlier rollout, left over with its group
-        remaining = self.config.rollout_max_response_len - sample.response_length
-        if remaining <= 0:
-            sample.status = SampleStatus.TRUNCATED
-            return sample
-        async with self.slots:
-            if self.stopping:  # the batch filled while this sample waited for a slot
-                sample.status = SampleStatus.ABORTED
-                return sample
-            params = {
-                **self.base_params,
-                "max_new_tokens": remaining,
-                "sampling_seed": self.config.sampling_seed(sample.index, sample.response_length),
-            }
-            if self.generate_fn is generate_sample and self.config.return_routed_experts:
-                return await generate_sample(self.pool, sample, params, return_routed_experts=True)
-            return await self.generate_fn(self.pool, sample, params)
-
     async def _drain_leftovers(self, rollout_id: int) -> None:
         """Abort what is still generating and wait until every leftover request has returned."""
-        self.stopping = True
+        self.ctx.requests.close()
         started = time.monotonic()
         while self.tasks:
             await self.pool.abort_all()
@@ -410,7 +236,7 @@ class _Rollout:
 
     async def _cancel(self) -> None:
         """On failure: stop every request of this rollout, leave no task behind."""
-        self.stopping = True
+        self.ctx.requests.close()
         for task in self.tasks:
             task.cancel()
         if self.tasks:
