@@ -38,3 +38,43 @@ async def whole_rollout(rollout_id, *, pool, data_source, score_groups, config):
     """A rollout function of the earlier signature: a whole rollout of one unanswered group."""
     del rollout_id, pool, score_groups, config
     return data_source.get_samples(1)
+
+
+def sync_whole_rollout(rollout_id, *, pool, data_source, score_groups, config):
+    """The earlier signature, synchronous, answering a RolloutOutput with a metric."""
+    from miles.rollout.context import RolloutOutput
+
+    return RolloutOutput(groups=data_source.get_samples(1), metrics={"mine/rollout": rollout_id})
+
+
+def returns_a_dict(rollout_id, **kwargs):
+    return {"groups": []}
+
+
+def legacy_with_an_attribute(rollout_id, **kwargs):
+    return []
+
+
+legacy_with_an_attribute.sample_generator = lambda config: None
+
+
+class Tagged:
+    """A class that is not a miles Rollout."""
+
+
+def _tagged_rollout_class():
+    from miles.rollout.single_turn import SingleTurnRollout
+
+    class TaggedRollout(SingleTurnRollout):
+        """The built-in rollout, each sample tagged with the rollout settings' temperature."""
+
+        async def generate_group(self, ctx, group):
+            group = await super().generate_group(ctx, group)
+            for sample in group:
+                sample.metadata["made_at_temperature"] = ctx.rollout.rollout_temperature
+            return group
+
+    return TaggedRollout
+
+
+TaggedRollout = _tagged_rollout_class()
