@@ -260,6 +260,17 @@ def test_load_defaults_to_save_and_paths_become_absolute():
             ],
             "only the built-in single-turn generation",
         ),
+        (
+            [
+                "--use-rollout-routing-replay",
+                "--apply-chat-template",
+                "--tool-paths",
+                "examples.tool_use.tools:calc",
+                "--rollout-function-path",
+                "miles.rollout.tool_rollout:ToolRollout",
+            ],
+            "keeps each sample's engine routing from the built-in single-turn generation",
+        ),
         (["--label-key", "none"], "--label-key is none"),
         (["--actor-num-gpus-per-node", "3"], "divisible by the data-parallel size"),
         (
