@@ -49,10 +49,8 @@ def train_sync(run: Run) -> dict[str, Any]:
             run.offload_trainer_and_onload_engines()
         updated = run.update_weights() if run.update_due(rollout_id) else {}
         evaluated = run.maybe_eval(rollout_id)
-        step = {"time/step_s": time.perf_counter() - step_start}
-        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
-                  **evaluated, **step}  # fmt: skip
-        metrics, startup = run.finish_rollout(rollout_id, merged), {}
+        parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
+        metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
     return metrics
 
 
@@ -77,10 +75,8 @@ def train_async(run: Run) -> dict[str, Any]:
                 run.wait_generated(pending)
             updated = run.update_weights()
         evaluated = run.maybe_eval(rollout_id)
-        step = {"time/step_s": time.perf_counter() - step_start}
-        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
-                  **evaluated, **step}  # fmt: skip
-        metrics, startup = run.finish_rollout(rollout_id, merged), {}
+        parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
+        metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
     return metrics
 
 
@@ -97,8 +93,18 @@ def train_fully_async(run: Run) -> dict[str, Any]:
         saved = run.maybe_save(rollout_id)  # with the buffer: a resumed run loses no sample
         updated = run.update_weights_while_generating() if run.update_due(rollout_id) else {}
         evaluated = run.maybe_eval(rollout_id)
-        step = {"time/step_s": time.perf_counter() - step_start}
-        merged = {**startup, **rollout.metrics, **check, **trained, **saved, **updated,
-                  **evaluated, **step}  # fmt: skip
-        metrics, startup = run.finish_rollout(rollout_id, merged), {}
+        parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
+        metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
     return metrics
+
+
+def _finish_step(
+    run: Run, rollout_id: int, step_start: float, parts: tuple[dict[str, Any], ...]
+) -> dict[str, Any]:
+    """Log one rollout's record: its parts merged in order (a later part's key wins), then the
+    step's wall time; returns what `Run.finish_rollout` returns."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    merged["time/step_s"] = time.perf_counter() - step_start
+    return run.finish_rollout(rollout_id, merged)
