@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
 from miles.backends.sglang_utils.reference_engine.request_models import (
@@ -49,10 +50,7 @@ from miles.backends.sglang_utils.reference_engine.requests import (
     parse_generate,
     response_item,
 )
-from miles.backends.sglang_utils.reference_engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-)
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.serving import (

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from miles.backends.sglang_utils import fast_json
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 
 if TYPE_CHECKING:
