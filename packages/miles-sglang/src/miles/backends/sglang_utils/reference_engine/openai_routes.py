@@ -43,7 +43,7 @@ from miles.backends.sglang_utils.tool_calls import (
 )
 
 if TYPE_CHECKING:
-    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+    from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
 
 
 def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
