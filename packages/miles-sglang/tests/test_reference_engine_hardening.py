@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from miles.backends.sglang_utils.client import EngineClient
-from miles.backends.sglang_utils.reference_engine.server import ADMIN_ROUTES
+from miles.backends.sglang_utils.reference_engine.guard import ADMIN_ROUTES
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 API_KEY, ADMIN_KEY = "inference-key", "admin-key"

@@ -247,7 +247,7 @@ def test_a_model_with_recurrent_gdn_layers_is_refused_naming_its_architecture(
 def test_the_server_flag_chooses_the_decode_path(tiny_checkpoint, flags, fast):
     from miles.backends.sglang_utils.reference_engine.cli import build_parser, engine_options
     from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
-    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+    from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
 
     args = build_parser().parse_args(["--model-path", str(tiny_checkpoint), *flags])
     engine = ReferenceEngine(ReferenceEngineConfig(**engine_options(args)))

@@ -75,7 +75,7 @@ def test_asking_without_the_server_flag_is_refused(start_engine, moe_checkpoint)
 
 def test_the_flag_on_a_dense_model_is_refused_at_start(tiny_checkpoint):
     from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
-    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+    from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
 
     config = ReferenceEngineConfig(
         model_path=str(tiny_checkpoint), enable_return_routed_experts=True

@@ -10,11 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles.backends.sglang_utils.reference_engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-    sample_next_tokens,
-)
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams, sample_next_tokens
 
 
 def _allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:

@@ -23,13 +23,13 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.openai_protocol import (
     ChatCompletionBody,
     Server,
     now,
     validate,
 )
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.serving import json_body
 from miles.rollout.agent_session import AgentSession, SessionError
 

@@ -6,6 +6,7 @@ It is what runs on CPU, in tests and wherever SGLang is not installed. Start one
 """
 
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
-from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine, create_app
+from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
+from miles.backends.sglang_utils.reference_engine.server import create_app
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig", "create_app"]

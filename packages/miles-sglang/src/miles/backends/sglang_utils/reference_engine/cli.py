@@ -11,7 +11,8 @@ from typing import Any
 import uvicorn
 
 from miles.backends.sglang_utils.reference_engine.config import DTYPES, ReferenceEngineConfig
-from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine, create_app
+from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
+from miles.backends.sglang_utils.reference_engine.server import create_app
 from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 
 

@@ -29,12 +29,10 @@ from pydantic import (
 )
 
 from miles.backends.sglang_utils.chat_arguments import TEMPLATE_ARGUMENTS
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.request_models import Seed, TokenId
 from miles.backends.sglang_utils.reference_engine.requests import MAX_TOP_LOGPROBS
-from miles.backends.sglang_utils.reference_engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-)
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 
 Number = StrictInt | StrictFloat
 # Fields that only label, route or store a request elsewhere: any value is accepted.

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
@@ -32,10 +33,7 @@ from miles.backends.sglang_utils.reference_engine.openai_protocol import (
     validate,
 )
 from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate, SequenceSpec
-from miles.backends.sglang_utils.reference_engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-)
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.serving import answers, json_body, submit
 from miles.backends.sglang_utils.tool_calls import (
@@ -45,7 +43,7 @@ from miles.backends.sglang_utils.tool_calls import (
 )
 
 if TYPE_CHECKING:
-    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+    from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
 
 
 def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:

@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 

@@ -15,12 +15,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
 from miles.backends.sglang_utils.reference_engine.routed_experts import encode_routed_experts
-from miles.backends.sglang_utils.reference_engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-)
+from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 
 # Fields that only shape logging, routing or tracing: any value is accepted.
 PASS_THROUGH = {

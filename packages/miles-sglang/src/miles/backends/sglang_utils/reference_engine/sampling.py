@@ -15,6 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.request_models import (
+    SamplingParamsBody,
+    validate_body,
+)
+
 # Below this temperature SGLang samples greedily.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -40,15 +46,6 @@ ACCEPTED_AND_IGNORED = {
 }
 # Newer SGLang releases name the per-request seed `sampling_seed`.
 ALIASES = {"sampling_seed": "seed"}
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; the server answers 400 with this message, naming `param`
-    (the field's dotted path) when one field is to blame."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(kw_only=True)
@@ -95,12 +92,6 @@ class SamplingParams:
     def from_json(cls, raw: Any, param: str = "sampling_params") -> SamplingParams:
         """Parse SGLang's sampling_params dict: wrong types, out-of-range values and unknown or
         unsupported fields are an InvalidRequestError naming the field (`param` prefixes it)."""
-        # Imported here: request_models imports this module's error type.
-        from miles.backends.sglang_utils.reference_engine.request_models import (
-            SamplingParamsBody,
-            validate_body,
-        )
-
         fields = _body_fields(SamplingParamsBody)
         if raw is None:
             raw = {}

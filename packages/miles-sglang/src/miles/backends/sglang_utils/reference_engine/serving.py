@@ -1,5 +1,6 @@
-"""What every generating route of the reference engine does alike: read a bounded JSON body,
-queue sequences on the scheduler with futures for their ends, and notice a client hanging up."""
+"""What the reference engine's routes do alike: answer an error in one JSON shape, read a bounded
+JSON body, queue sequences on the scheduler with futures for their ends, and notice a client
+hanging up."""
 
 from __future__ import annotations
 
@@ -7,18 +8,31 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from miles.backends.sglang_utils import fast_json
+from miles.backends.sglang_utils.reference_engine.errors import (
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 
 if TYPE_CHECKING:
-    from miles.backends.sglang_utils.reference_engine.server import ReferenceEngine
+    from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
 
 
-class RequestTooLargeError(InvalidRequestError):
-    """A body over --max-request-bytes: refused unread (413)."""
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "request_too_large",
+                503: "overloaded_error"}  # fmt: skip
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error answer in the shape every route uses: `{"error": {message, type, param, code}}`."""
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+             "param": param, "code": status}  # fmt: skip
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def submit(

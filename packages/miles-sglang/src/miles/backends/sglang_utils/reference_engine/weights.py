@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles.backends.sglang_utils.reference_engine.sampling import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 from miles.backends.sglang_utils.weight_sync import (
