@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port, run_distributed
-from miles.backends.training_utils.testing_batches import random_rollout_batch
+from tests.support.distributed import free_port, run_distributed
+from tests.support.rollout_batches import random_rollout_batch
 
 _SHIM_PATH = Path(__file__).parents[2] / "packages/miles-megatron/tests/cpu_shim.py"
 GLOBAL_BATCH = 4

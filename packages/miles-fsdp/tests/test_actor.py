@@ -386,11 +386,7 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
 def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.testing_batches import (
-        reference_scored,
-        scored_forward,
-        with_scored_ids,
-    )
+    from tests.support.rollout_batches import reference_scored, scored_forward, with_scored_ids
 
     args = make_args(checkpoint, use_rollout_logprobs=True).with_paths(save=str(save_dir))
     actor, start = make_actor(rank, 2, args)

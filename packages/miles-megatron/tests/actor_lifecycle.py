@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
-from miles.backends.training_utils.testing_batches import random_rollout_batch
+from tests.support.rollout_batches import random_rollout_batch
 
 GLOBAL_BATCH = 4
 TEMPERATURE = 0.8

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port
+from tests.support.distributed import free_port
 
 from .actor_lifecycle import make_args, make_batch, with_rollout_log_probs
 from .cpu_shim import install_megatron_training_cpu_shim, run_distributed

@@ -90,7 +90,7 @@ def test_sglang_reports_routed_experts_in_the_same_encoding(moe_checkpoint):
     """Routing replay's contract on a real SGLang server (--enable-return-routed-experts, as
     SGLangEngineLauncher passes it with R3): the same field, shape and encoding."""
     from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from miles.backends.training_utils.testing import free_port
+    from tests.support.distributed import free_port
 
     config = SGLangEngineConfig(
         model_path=str(moe_checkpoint), port=free_port(), mem_fraction_static=0.2,

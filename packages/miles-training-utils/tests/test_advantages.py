@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from miles.backends.training_utils.advantages import global_whiten
 from miles.backends.training_utils.algorithms import compute_advantages_and_returns, shape_rewards
 from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.testing import run_distributed
+from tests.support.distributed import run_distributed
 
 
 def _ref_shape(rewards, group_size, estimator):

@@ -22,7 +22,7 @@ from miles.backends.training_utils.log_utils import (
     sample_weighted,
     token_weighted,
 )
-from miles.backends.training_utils.testing import run_distributed
+from tests.support.distributed import run_distributed
 
 # Per rank: micro-batches of (per-token values, loss mask, per-sample KL). Rank 0 has 2
 # micro-batches and 5 masked tokens, rank 1 one micro-batch and 2 masked tokens, so ranks weigh

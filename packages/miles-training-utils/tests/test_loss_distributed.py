@@ -12,7 +12,7 @@ import torch.distributed as dist
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.loss import LossNormalizer, policy_loss
 from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.testing import run_distributed
+from tests.support.distributed import run_distributed
 
 VOCAB, HIDDEN, NUM_SAMPLES = 13, 8, 8
 MODES = {

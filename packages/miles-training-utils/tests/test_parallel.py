@@ -12,7 +12,7 @@ from miles.backends.training_utils.parallel import (
     ParallelState,
     single_process_parallel_state,
 )
-from miles.backends.training_utils.testing import run_distributed
+from tests.support.distributed import run_distributed
 
 
 class _StandInGroup:

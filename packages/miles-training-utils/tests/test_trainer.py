@@ -17,14 +17,14 @@ from miles.backends.training_utils.algorithms import Algorithm, compute_advantag
 from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
 from miles.backends.training_utils.loss import LossNormalizer, policy_loss
 from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.testing import run_distributed
-from miles.backends.training_utils.testing_batches import random_rollout_batch
 from miles.backends.training_utils.train_engine import (
     SCORED_TOKEN_IDS,
     OptimizerStepResult,
     TrainEngine,
 )
 from miles.backends.training_utils.trainer import PolicyTrainer
+from tests.support.distributed import run_distributed
+from tests.support.rollout_batches import random_rollout_batch
 
 VOCAB = 32
 TEMPERATURE = 0.7

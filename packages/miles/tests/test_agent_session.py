@@ -402,7 +402,7 @@ def test_a_session_on_an_sglang_engine_is_token_exact(tiny_checkpoint):
     """The same rule on SGLang's own /generate: the sample is the engine's last prompt and
     completion, and the loss mask covers exactly its completions."""
     from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from miles.backends.training_utils.testing import free_port
+    from tests.support.distributed import free_port
 
     seen = []
 

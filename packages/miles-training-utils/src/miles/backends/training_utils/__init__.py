@@ -13,7 +13,7 @@ Losses and advantage estimators are registered once, in `algorithms` (`LOSSES`, 
 
 Modules: `trainer`, `train_engine`, `algorithms`, `loss`, `loss_config`, `advantages`,
 `ppo_utils` (formulas), `distillation` and `teacher_kl` (on-policy distillation), `logprobs`, `sample`, `rollout_data`, `balance`, `micro_batch`,
-`packing`, `data`, `parallel`, `log_utils`, `import_path`, `ci_utils`, `device`.
+`packing`, `data`, `parallel`, `log_utils`, `import_path`, `device`.
 
 The names below resolve on first use: importing a light submodule (`import_path`, `sample`,
 `loss_config`, `distillation`, `algorithms`) must not import torch, which costs seconds in every process.

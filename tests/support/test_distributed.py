@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from miles.backends.training_utils.testing import DistributedWorkerError, run_distributed
+from tests.support.distributed import DistributedWorkerError, run_distributed
 
 
 def _rank_and_size(rank: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Run by test_testing.py as a script in a fresh interpreter: asks `run_distributed` for workers
+"""Run by test_distributed.py as a script in a fresh interpreter: asks `run_distributed` for workers
 with different preload lists and prints, as JSON, each worker's fork server (its parent's pid) and
 which probe modules it found already imported.
 
@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
-from miles.backends.training_utils.testing import run_distributed
+if __package__ in (None, ""):  # run as a script: `tests.support` lives under the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.support.distributed import run_distributed
 
 # Standard-library modules that torch does not import (colorsys would not do: a plotting import
 # pulls it in): what a worker finds in sys.modules came from its server's preload.

@@ -9,11 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles.backends.training_utils.ci_utils import (
-    GradNormMismatch,
-    GradNormStepMissing,
-    check_grad_norm,
-)
+from tests.support.grad_norms import GradNormMismatch, GradNormStepMissing, check_grad_norm
 
 
 def test_save_records_each_step_and_keeps_earlier_ones(tmp_path):

@@ -6,7 +6,7 @@ costs its imports once per session instead of once per rank and test. Callers na
 their workers need (`preload=`); the server holds the union of every list asked for so far and is
 restarted only when a call names a module it lacks. Example::
 
-    from miles.backends.training_utils.testing import run_distributed
+    from tests.support.distributed import run_distributed
 
     def _all_reduce_sum(rank: int, base: float) -> float:
         t = torch.tensor([base + rank])

@@ -1,7 +1,8 @@
 """Gradient-norm checks for CI: record per-step norms of one run, compare another run against them.
 
 Two runs that should train identically (a rerun, the other backend, another parallel layout) must
-produce the same gradient norms step by step, within a tolerance. Call it on one rank only.
+produce the same gradient norms step by step, within a tolerance. Call it on one rank only. A test
+helper: no miles wheel ships it.
 """
 
 from __future__ import annotations
