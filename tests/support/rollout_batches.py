@@ -40,7 +40,7 @@ def random_rollout_batch(
 def with_scored_ids(batch: dict[str, list], k: int, *, seed: int, vocab_size: int = 256) -> dict:
     """`batch` with K random token ids to score at every response position (`SCORED_TOKEN_IDS`,
     as --opd-kl-mode topk sends the teacher's top tokens)."""
-    from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS
+    from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS
 
     rng = random.Random(seed)
     scored = [
@@ -69,7 +69,7 @@ def reference_scored(model, micro: dict, temperature: float) -> dict[str, Any]:
     at a time with a plain log-softmax: what the engine must match."""
     import torch
 
-    from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS
+    from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS
 
     log_probs, scored = [], []
     for tokens, r, ids in zip(

@@ -13,7 +13,7 @@ from miles.backends.fsdp_utils.arguments import (
     load_fsdp_args,
     validate_hybrid_shard_args,
 )
-from miles.backends.training_utils.device import get_device_info
+from miles.backends.training_utils.infra.device import get_device_info
 
 
 @pytest.fixture

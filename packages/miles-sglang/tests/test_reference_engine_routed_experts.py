@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.routing_replay import decode_routed_experts, moe_routers
+from miles.backends.training_utils.step.routing_replay import decode_routed_experts, moe_routers
 
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 49, 61]]
 

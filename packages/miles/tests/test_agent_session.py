@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.agent_rollout import AgentRunner, load_agent, session_metrics
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.engine_pool import EnginePool

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from miles.backends.sglang_utils.client import EngineClient, EngineError
-from miles.backends.training_utils.import_path import ImportPathError
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.infra.import_path import ImportPathError
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import RolloutConfig, RolloutOutput, generate_groups
 
@@ -371,7 +371,7 @@ def test_config_errors_name_the_flag_and_the_value(fields, message):
 def test_the_built_in_rollout_is_the_default_of_the_rollout_function_flag():
     import inspect
 
-    from miles.backends.training_utils.import_path import load_function
+    from miles.backends.training_utils.infra.import_path import load_function
     from miles.rollout.generate import generate_rollout
     from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG
     from miles.rollout.sft_rollout import sft_rollout

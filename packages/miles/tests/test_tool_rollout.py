@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint, teach
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.engine_pool import EnginePool

@@ -31,7 +31,7 @@ import ray
 from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.sglang_utils.server_process import file_tail
-from miles.backends.training_utils.import_path import load_function
+from miles.backends.training_utils.infra.import_path import load_function
 from miles.config.schema import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement

@@ -29,8 +29,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
-from miles.backends.training_utils.import_path import ImportPathError, load_function
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.infra.import_path import ImportPathError, load_function
 from miles.rollout.agent_session import AgentSession, SessionEnd
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.generate import DataSource, RolloutOutput, ScoreGroups, generate_groups

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles.backends.training_utils.import_path import load_function
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.infra.import_path import load_function
 from miles.rollout.engine_pool import EngineLostError, EnginePool, EngineUnavailableError
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter
 from miles.rollout.rollout_config import GENERATE_FLAG, RolloutConfig

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.utils.tokenizers import load_tokenizer
 
 

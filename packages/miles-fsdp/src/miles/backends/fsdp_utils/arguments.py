@@ -106,7 +106,7 @@ def _check_unsupported(args: FSDPArgs) -> None:
 
 def _check_flash_attention() -> None:
     # Imported here: the device module imports torch, which reading the config must not.
-    from miles.backends.training_utils.device import get_device_info
+    from miles.backends.training_utils.infra.device import get_device_info
 
     kind = get_device_info().kind
     # ROCm builds of PyTorch run flash-attn through the same "cuda" device type.
