@@ -10,14 +10,16 @@ Adding a built-in loss: write the function (in `loss.py`), add one `LossSpec` to
 one test (docs/guides/adding-a-loss.md).
 
 Built-in entries name their functions by import path, resolved on first use: reading the registry
-(config validation, the driver, `--help`) imports no torch.
+(config validation, the driver, `--help`) imports no torch. The table is the bottom of the
+algorithm layer: `LossConfig` validates its names against it, so it imports nothing that names
+`LossConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from miles.backends.training_utils.infra.import_path import (
     ImportPathError,
@@ -28,10 +30,6 @@ from miles.backends.training_utils.infra.import_path import (
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from miles.backends.training_utils.algorithms.advantages import Advantages
-    from miles.backends.training_utils.algorithms.loss import LossNormalizer
-    from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
 BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "values"]
 """What the train step can compute for a loss, beyond what every loss gets (`log_probs` and
@@ -46,15 +44,31 @@ BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "adv
 """
 BATCH_INPUTS: frozenset[str] = frozenset(BatchInput.__args__)  # type: ignore[attr-defined]
 
-LossFn = Callable[
-    [dict[str, Any], "LossConfig", "LossNormalizer"], "tuple[Tensor, dict[str, Tensor]]"
+# Losses, shapers and rules receive the run's `LossConfig`, and a loss also a `loss.LossNormalizer`.
+# Both classes sit above this table (LossConfig checks its names against it): naming them here,
+# even for type checking only, would make an import cycle, so they are typed Any.
+LossFn = Callable[[dict[str, Any], Any, Any], "tuple[Tensor, dict[str, Tensor]]"]
+"""(inputs, config: LossConfig, normalizer: LossNormalizer) -> (loss, metrics as (weighted sum,
+weight) pairs); `inputs` holds (T,) tensors over the micro-batch's response tokens, samples
+concatenated."""
+Shaper = Callable[["Tensor", int, Any], "Tensor"]
+"""(raw rewards (B,), group size, config: LossConfig) -> (B,) rewards as the estimator consumes
+them."""
+AdvantageFn = Callable[
+    [dict[str, list], Any, "list[Tensor]", Any], "tuple[list[Tensor], list[Tensor]]"
 ]
-"""(inputs, config, normalizer) -> (loss, metrics as (weighted sum, weight) pairs); `inputs`
-holds (T,) tensors over the micro-batch's response tokens, samples concatenated."""
-Shaper = Callable[["Tensor", int, "LossConfig"], "Tensor"]
-"""(raw rewards (B,), group size, config) -> (B,) rewards as the estimator consumes them."""
-AdvantageFn = Callable[[dict[str, list], "LossConfig", "list[Tensor]", Any], "Advantages"]
-"""(shard columns, config, per-sample float loss masks, dp group) -> (advantages, returns)."""
+"""(shard columns, config: LossConfig, per-sample float loss masks, dp group) -> (advantages,
+returns), `advantages.Advantages`."""
+
+
+class AlgorithmChoice(Protocol):
+    """The settings that pick a loss and an estimator: those of a `LossConfig`, the only settings
+    this table reads."""
+
+    loss_type: str
+    custom_loss_function_path: str | None
+    advantage_estimator: str
+    custom_advantage_function_path: str | None
 
 
 _LOSS = "miles.backends.training_utils.algorithms.loss"
@@ -190,7 +204,7 @@ def _load_custom(path: str, flag: str, spec_class: type, wrap: Callable[[Callabl
     return wrap(target)
 
 
-def loss_spec(config: LossConfig) -> LossSpec:
+def loss_spec(config: AlgorithmChoice) -> LossSpec:
     """The entry --loss-type names; `custom_loss` loads --custom-loss-function-path."""
     if config.loss_type != CUSTOM_LOSS:
         return LOSSES[config.loss_type]
@@ -200,7 +214,7 @@ def loss_spec(config: LossConfig) -> LossSpec:
     )
 
 
-def estimator_spec(config: LossConfig) -> EstimatorSpec:
+def estimator_spec(config: AlgorithmChoice) -> EstimatorSpec:
     """The entry --advantage-estimator names; `custom` loads --custom-advantage-function-path."""
     if config.advantage_estimator != CUSTOM_ESTIMATOR:
         return ESTIMATORS[config.advantage_estimator]
@@ -217,6 +231,7 @@ __all__ = [
     "BATCH_INPUTS",
     "ESTIMATORS",
     "LOSSES",
+    "AlgorithmChoice",
     "EstimatorSpec",
     "ImportPathError",
     "LossSpec",
