@@ -75,8 +75,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 def _fsdp_rank(rank: int, world_size: int, port: int, checkpoint: Path, opts: dict, queue) -> None:
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
     from miles.backends.fsdp_utils.arguments import FSDPArgs
-    from miles.backends.training_utils.data import get_rollout_data
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
+    from miles.backends.training_utils.batching.train_batches import get_rollout_data
     from miles.ray import TrainRunSpec
 
     torch.set_num_threads(1)
@@ -125,7 +125,7 @@ def run_fsdp(world_size: int, checkpoint: Path, opts: dict) -> tuple[float, dict
 
 def run_plain(checkpoint: Path, opts: dict, threads: int) -> tuple[float, dict[str, int]]:
     """A textbook single-process loop on the same batch: micro-batches, SFT loss, AdamW."""
-    from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+    from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

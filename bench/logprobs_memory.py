@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
 
 GIB = float(1 << 30)
 

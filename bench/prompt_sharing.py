@@ -31,7 +31,7 @@ from miles.backends.fsdp_utils.prompt_sharing import (
     shared_prompt_logits,
 )
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.packing import PackedBatch, pack_sequences
+from miles.backends.training_utils.batching.packing import PackedBatch, pack_sequences
 
 SHAPES = [  # (groups, samples per group, prompt tokens, max response tokens)
     (8, 8, 9, 16),

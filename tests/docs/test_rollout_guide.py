@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.loader import load_rollout
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.tokenizers import load_tokenizer

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from miles.backends.training_utils.algorithms import LossSpec
-from miles.backends.training_utils.log_utils import token_weighted
-from miles.backends.training_utils.loss import reduce_loss
+from miles.backends.training_utils.algorithms.loss import reduce_loss
+from miles.backends.training_utils.algorithms.registry import LossSpec
+from miles.backends.training_utils.infra.metrics import token_weighted
 
 
 def reward_sign(batch, config, masks, group):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port, run_distributed
-from miles.backends.training_utils.testing_batches import random_rollout_batch
+from tests.support.distributed import free_port, run_distributed
+from tests.support.rollout_batches import random_rollout_batch
 
 _SHIM_PATH = Path(__file__).parents[2] / "packages/miles-megatron/tests/cpu_shim.py"
 GLOBAL_BATCH = 4
@@ -56,7 +56,7 @@ def run_spec(checkpoint: Path):
 
 def custom_loss_config():
     """The user's functions by path; the module is importable from this test's directory."""
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     return LossConfig(
@@ -79,7 +79,7 @@ def _megatron(rank: int, checkpoint: Path, layout: dict, with_custom: bool) -> d
     import miles.backends.megatron_utils.actor as actor_module
     from miles.backends.megatron_utils.arguments import MegatronArgs
     from miles.backends.megatron_utils.parallel import destroy_megatron_parallel
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
     _megatron_cpu_shim().install_megatron_training_cpu_shim()
     actor_module.require_gpu = lambda: None  # the backend refuses CPU machines; the shim is why
@@ -99,7 +99,7 @@ def _megatron(rank: int, checkpoint: Path, layout: dict, with_custom: bool) -> d
 def _fsdp(rank: int, checkpoint: Path) -> dict:
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
     from miles.backends.fsdp_utils.arguments import FSDPArgs
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
     fsdp = FSDPArgs(lr=1e-3, micro_batch_size=1, seed=0)
 

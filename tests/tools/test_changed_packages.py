@@ -10,7 +10,7 @@ ALL = ["miles", "miles-fsdp", "miles-megatron", "miles-sglang", "miles-training-
 @pytest.mark.parametrize(
     ("changed", "expected"),
     [
-        (["packages/miles-training-utils/src/miles/backends/training_utils/device.py"], ALL),
+        (["packages/miles-training-utils/src/miles/backends/training_utils/infra/device.py"], ALL),
         (
             ["packages/miles-sglang/README.md"],
             ["miles", "miles-fsdp", "miles-megatron", "miles-sglang"],

@@ -36,10 +36,10 @@ def test_transitive_only_dependency_is_not_enough(workspace_copy):
         .replace('"miles-training-utils[npu]==0.1.0", ', "")
     )
     module = workspace_copy / "packages/miles-fsdp/src/miles/backends/fsdp_utils/uses_device.py"
-    module.write_text("import miles.backends.training_utils.device\n")
+    module.write_text("import miles.backends.training_utils.infra.device\n")
     violations = find_violations(workspace_copy)
     assert any(
-        "uses_device.py:1: miles-fsdp imports miles.backends.training_utils.device" in v
+        "uses_device.py:1: miles-fsdp imports miles.backends.training_utils.infra.device" in v
         for v in violations
     )
     assert all("from miles-training-utils without declaring it" in v for v in violations)

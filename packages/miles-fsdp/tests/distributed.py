@@ -4,8 +4,8 @@ seconds per process on a busy machine, and this pays for it once."""
 
 from functools import partial
 
-from miles.backends.training_utils.testing import DEFAULT_PRELOAD
-from miles.backends.training_utils.testing import run_distributed as _run_distributed
+from tests.support.distributed import DEFAULT_PRELOAD
+from tests.support.distributed import run_distributed as _run_distributed
 
 FSDP_PRELOAD = (
     *DEFAULT_PRELOAD,

@@ -45,7 +45,7 @@ class InitArgs:
 def make_args(checkpoint: Path, *, loss: dict | None = None, **fsdp: object) -> InitArgs:
     """`fsdp` overrides FSDPArgs fields, `loss` LossConfig fields."""
     from miles.backends.fsdp_utils.arguments import FSDPArgs
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
     from miles.ray import TrainRunSpec
 
     settings = {"lr": 1e-3, "clip_grad": 0.05, "micro_batch_size": 1, "seed": 0}
@@ -86,7 +86,7 @@ def make_actor(rank: int, world_size: int, args: InitArgs, with_ref: bool = Fals
 
 def local_shard(batch: dict, rank: int, world_size: int) -> dict:
     """Round-robin rows, so global step s is rows [s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)."""
-    from miles.backends.training_utils.data import get_rollout_data
+    from miles.backends.training_utils.batching.train_batches import get_rollout_data
 
     return get_rollout_data(batch, rank, world_size, balance=False)
 
@@ -100,7 +100,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 def sample_log_probs(model, tokens: list[int], response_length: int, temperature: float):
     """Log-probs of one document's response, from an unpacked forward."""
-    from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+    from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
 
     ids = torch.tensor([tokens])
     logits = model(input_ids=ids).logits[0]  # (L, V)
@@ -115,8 +115,8 @@ def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[fl
     """Plain transformers, one unpacked document at a time: grads per step, norms, final params."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.algorithms import compute_advantages_and_returns
-    from miles.backends.training_utils.loss import LossNormalizer, policy_loss
+    from miles.backends.training_utils.algorithms.algorithm import compute_advantages_and_returns
+    from miles.backends.training_utils.algorithms.loss import LossNormalizer, policy_loss
 
     fsdp, temperature = args.fsdp, args.spec.rollout_temperature
     model = AutoModelForCausalLM.from_pretrained(
@@ -214,7 +214,7 @@ def _left_sharded(model) -> bool:
 
 def _fail_midway(actor, shard: dict) -> bool:
     """A loss that raises on the second of three micro-batches, after the first's backward."""
-    from miles.backends.training_utils.rollout_data import select_rows
+    from miles.backends.training_utils.batching.rollout_data import select_rows
 
     def loss_fn(index, log_probs, entropy, scored):
         if index == 1:
@@ -272,7 +272,7 @@ def test_packed_logits_equal_per_document_logits(tmp_path, attn_implementation):
     from transformers import AutoModelForCausalLM
 
     from miles.backends.fsdp_utils.modeling import packed_logits
-    from miles.backends.training_utils.packing import pack_sequences
+    from miles.backends.training_utils.batching.packing import pack_sequences
 
     checkpoint = build_checkpoint(tmp_path / "ckpt")
     model = AutoModelForCausalLM.from_pretrained(
@@ -315,7 +315,7 @@ def test_packed_logits_at_response_positions_are_those_of_the_whole_row(
     from transformers import AutoModelForCausalLM
 
     from miles.backends.fsdp_utils.modeling import packed_logits, response_positions
-    from miles.backends.training_utils.packing import pack_sequences
+    from miles.backends.training_utils.batching.packing import pack_sequences
 
     checkpoint = build_checkpoint(tmp_path / "ckpt")
     model = AutoModelForCausalLM.from_pretrained(
@@ -368,7 +368,7 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
     tmp_path, monkeypatch, fsdp, loss, role, flag
 ):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
-    from miles.backends.training_utils.device import get_device_info
+    from miles.backends.training_utils.infra.device import get_device_info
 
     monkeypatch.setenv("MILES_DEVICE", "cpu")
     get_device_info.cache_clear()
@@ -386,11 +386,7 @@ def test_a_setting_the_backend_would_ignore_is_refused_naming_its_flag(
 def _life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.testing_batches import (
-        reference_scored,
-        scored_forward,
-        with_scored_ids,
-    )
+    from tests.support.rollout_batches import reference_scored, scored_forward, with_scored_ids
 
     args = make_args(checkpoint, use_rollout_logprobs=True).with_paths(save=str(save_dir))
     actor, start = make_actor(rank, 2, args)

@@ -61,7 +61,7 @@ def build_qwen3_5_checkpoint(path: Path) -> Path:
 
 
 def _packed_documents():
-    from miles.backends.training_utils.packing import pack_sequences
+    from miles.backends.training_utils.batching.packing import pack_sequences
 
     generator = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in DOC_LENGTHS]

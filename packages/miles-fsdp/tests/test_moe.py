@@ -166,7 +166,7 @@ def _routing_per_micro_batch(rank: int, checkpoint: Path, replay: str | None) ->
     old-policy pass, then the micro-batches of its two optimizer steps)."""
     import dataclasses
 
-    from miles.backends.training_utils.routing_replay import moe_routers
+    from miles.backends.training_utils.step.routing_replay import moe_routers
 
     args = make_args(checkpoint, lr=0.05)
     args = dataclasses.replace(args, spec=dataclasses.replace(args.spec, routing_replay=replay))

@@ -62,7 +62,7 @@ def test_shared_prompt_logits_and_gradients_equal_per_document_ones(
 ):
     from miles.backends.fsdp_utils.modeling import packed_logits, response_positions
     from miles.backends.fsdp_utils.prompt_sharing import plan_shared_prompts, shared_prompt_logits
-    from miles.backends.training_utils.packing import pack_sequences
+    from miles.backends.training_utils.batching.packing import pack_sequences
 
     model = float64_models[attn]
     tokens, response_lengths = grouped_documents(random.Random(seed), groups, max_samples=4)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
-from miles.backends.training_utils.testing_batches import random_rollout_batch
+from tests.support.rollout_batches import random_rollout_batch
 
 GLOBAL_BATCH = 4
 TEMPERATURE = 0.8
@@ -33,7 +33,7 @@ class InitArgs:
 def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> InitArgs:
     """`megatron` overrides MegatronArgs fields."""
     from miles.backends.megatron_utils.arguments import MegatronArgs
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
     from miles.ray import TrainRunSpec
 
     settings = {"lr": 1e-3, "seed": 0, **megatron}
@@ -60,7 +60,7 @@ def with_rollout_log_probs(model_dir: Path, batch: dict, device: torch.device) -
     """The batch with the response log-probs a float32 engine running `model_dir` reports."""
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
+    from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     out = []

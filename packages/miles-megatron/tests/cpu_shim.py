@@ -42,8 +42,8 @@ from functools import partial
 
 import torch
 
-from miles.backends.training_utils.testing import DEFAULT_PRELOAD
-from miles.backends.training_utils.testing import run_distributed as _run_distributed
+from tests.support.distributed import DEFAULT_PRELOAD
+from tests.support.distributed import run_distributed as _run_distributed
 
 # What the gloo workers' fork server imports once: megatron-core and transformers take many seconds
 # to import on a busy CI machine, and every worker of every test would otherwise pay it again.

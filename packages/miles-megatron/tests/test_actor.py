@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port
+from tests.support.distributed import free_port
 
 from .actor_lifecycle import (
     TEMPERATURE,
@@ -52,11 +52,7 @@ def _actor(rank: int, checkpoint: Path, save_dir: Path, layout: dict):
 def _life(rank: int, checkpoint: Path, save_dir: Path, layout: dict, url: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from miles.backends.training_utils.testing_batches import (
-        reference_scored,
-        scored_forward,
-        with_scored_ids,
-    )
+    from tests.support.rollout_batches import reference_scored, scored_forward, with_scored_ids
 
     actor, start = _actor(rank, checkpoint, save_dir, layout)
     out: dict = {"start": start}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port
+from tests.support.distributed import free_port
 
 from .actor_lifecycle import (
     engine_vs_trainer,

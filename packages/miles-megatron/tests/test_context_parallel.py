@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles.backends.megatron_utils.context_parallel import local_positions, split_sequence
-from miles.backends.training_utils.testing import free_port
+from tests.support.distributed import free_port
 
 from .cpu_shim import install_megatron_cpu_shim, run_distributed
 from .gpu_world import join_nccl_world

@@ -11,7 +11,7 @@ import pytest
 
 from miles.backends.megatron_utils.arguments import MegatronArgs
 from miles.backends.megatron_utils.forward import pad_micro_batch
-from miles.backends.training_utils.loss_config import LossConfig
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
 SAMPLES = [list(range(3, 14)), list(range(40, 47))]  # two documents of different lengths
 RESPONSE_LENGTHS = [4, 3]

@@ -25,8 +25,8 @@ from miles.backends.megatron_utils.model_provider import (
     require_gpu,
     transformer_config_from_hf,
 )
-from miles.backends.training_utils.device import get_device_info
-from miles.backends.training_utils.testing import free_port
+from miles.backends.training_utils.infra.device import get_device_info
+from tests.support.distributed import free_port
 
 from .cpu_shim import install_megatron_cpu_shim, megatron_on_cpu, run_distributed
 from .gpu_world import join_nccl_world

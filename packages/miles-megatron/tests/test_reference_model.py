@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.backends.training_utils.testing import free_port
+from tests.support.distributed import free_port
 
 from .actor_lifecycle import make_args, make_batch, with_rollout_log_probs
 from .cpu_shim import install_megatron_training_cpu_shim, run_distributed
@@ -26,7 +26,7 @@ OTHER_ARCHITECTURE = {"intermediate_size": 256, "num_hidden_layers": 3}
 
 def _actor(rank: int, policy: Path, save_dir: Path, reference: Path, interval: int):
     import miles.backends.megatron_utils.actor as actor_module
-    from miles.backends.training_utils.loss_config import LossConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
     actor_module.require_gpu = lambda: None  # the backend refuses CPU machines; the shim is why
     actor = actor_module.MegatronTrainRayActor(rank, WORLD, "127.0.0.1", free_port())

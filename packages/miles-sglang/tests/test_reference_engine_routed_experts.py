@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.routing_replay import decode_routed_experts, moe_routers
+from miles.backends.training_utils.step.routing_replay import decode_routed_experts, moe_routers
 
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 49, 61]]
 
@@ -90,7 +90,7 @@ def test_sglang_reports_routed_experts_in_the_same_encoding(moe_checkpoint):
     """Routing replay's contract on a real SGLang server (--enable-return-routed-experts, as
     SGLangEngineLauncher passes it with R3): the same field, shape and encoding."""
     from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from miles.backends.training_utils.testing import free_port
+    from tests.support.distributed import free_port
 
     config = SGLangEngineConfig(
         model_path=str(moe_checkpoint), port=free_port(), mem_fraction_static=0.2,

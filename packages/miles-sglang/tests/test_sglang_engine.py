@@ -23,7 +23,7 @@ from miles.backends.sglang_utils.sglang_engine import (
     require_sglang,
 )
 from miles.backends.sglang_utils.sglang_flags import sglang_args_from_cli
-from miles.backends.training_utils.device import get_device_info
+from miles.backends.training_utils.infra.device import get_device_info
 
 # Stands in for `python -m sglang.launch_server`: spawns a child (as SGLang spawns its scheduler
 # and detokenizer), records both pids, then serves /health and /health_generate after a delay.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.sample_generation import generate_sample
 
 NOT_A_FUNCTION = 42

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.agent_function import load_agent
 from miles.rollout.agent_rollout import AgentRunner, session_metrics
 from miles.rollout.chat_template import ChatTemplate
@@ -407,7 +407,7 @@ def test_a_session_on_an_sglang_engine_is_token_exact(tiny_checkpoint):
     """The same rule on SGLang's own /generate: the sample is the engine's last prompt and
     completion, and the loss mask covers exactly its completions."""
     from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from miles.backends.training_utils.testing import free_port
+    from tests.support.distributed import free_port
 
     seen = []
 

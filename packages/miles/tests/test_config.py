@@ -166,7 +166,7 @@ def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_act
         "miles.train",  # the driver: it only orchestrates
         "miles.ray.rollout_manager",  # its actor launches the engines before loading anything
         "miles.ray.engine_actor",  # it only starts the engine's server process
-        "miles.backends.training_utils.algorithms",  # the registry the config validates against
+        "miles.backends.training_utils.algorithms.registry",  # the registry the config validates against
     ],
 )
 def test_processes_that_start_a_run_import_no_torch_before_they_need_it(module):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.data_source import (
     DataSourceConfig,
     PromptDataset,

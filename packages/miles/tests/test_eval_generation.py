@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.config import load_config
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout.loader import load_rollout

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.client import EngineClient
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.fully_async import (

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from miles.backends.sglang_utils.client import EngineClient, EngineError
-from miles.backends.training_utils.import_path import ImportPathError
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.infra.import_path import ImportPathError
 from miles.rollout.context import RolloutOutput
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.loader import load_rollout

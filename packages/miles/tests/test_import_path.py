@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.backends.training_utils.import_path import (
+from miles.backends.training_utils.infra.import_path import (
     ImportPathError,
     load_function,
     split_import_path,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
+from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.opd import (
     response_log_probs,
@@ -34,7 +34,7 @@ def make_sample(index: int, prompt: list[int], response: list[int]) -> Sample:
 
 
 def trainer_log_probs(model, sample: Sample) -> torch.Tensor:
-    """The trainer's response log-probs (training_utils.logprobs) from a float64 forward."""
+    """The trainer's response log-probs (training_utils.step.logprobs) from a float64 forward."""
     ids = torch.tensor([sample.tokens])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0]  # (L, V)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.backends.training_utils.import_path import ImportPathError
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
+from miles.backends.training_utils.infra.import_path import ImportPathError
 from miles.rollout.context import RolloutOutput
 from miles.rollout.contract import Rollout
 from miles.rollout.engine_pool import EnginePool

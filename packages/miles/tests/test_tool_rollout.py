@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint, teach
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.engine_pool import EnginePool
@@ -299,7 +299,7 @@ def test_a_tool_exchange_on_an_sglang_engine(tool_model):
     """The tool rollout on SGLang's own /generate: the trained model calls the tool and the
     sample is the exchange's ids, the tool result not trained on."""
     from miles.backends.sglang_utils.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from miles.backends.training_utils.testing import free_port
+    from tests.support.distributed import free_port
 
     agent, chat = _agent(tool_model)
     prompt, call, result, _ = _exchange(agent.tokenizer, chat)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.trajectory import Trajectory

@@ -39,7 +39,7 @@ def test_miles_sets_it_aside_with_the_reason_and_imports(unusable_amdsmi):
     code = (
         "import logging; logging.basicConfig()\n"
         "import miles.ray.cluster, ray\n"
-        "from miles.backends.training_utils.vendor_libs import amdsmi_usable\n"
+        "from miles.backends.training_utils.infra.vendor_libs import amdsmi_usable\n"
         "print('usable', amdsmi_usable())\n"
     )
     result = run(code, unusable_amdsmi)

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from miles.backends.training_utils.testing import forkserver_context
+from tests.support.distributed import forkserver_context
 
 _PRELOAD = ("torch", "torch.distributed", "miles.backends.sglang_utils.weight_sync")
 

@@ -10,7 +10,7 @@ import torch
 
 from miles.backends.sglang_utils.client import SyncEngineClient
 from miles.backends.sglang_utils.weight_sync import UpdateWeightFromTensor, engine_urls_for_rank
-from miles.backends.training_utils.testing import run_distributed
+from tests.support.distributed import run_distributed
 
 URLS = ["http://e0", "http://e1"]
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 
 NOT_A_FUNCTION = 42
 CALLS: list[list[str]] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.rewards import RewardConfig, RewardHub
 
 HERE = Path(__file__).parent

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.rewards import RewardConfig, RewardHub, math_reward
 
 

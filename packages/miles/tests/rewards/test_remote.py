@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.rewards import RemoteRewardModel, RewardConfig, RewardHub
 
 # (payload, request number from 1) -> (status, JSON body, seconds to sleep before answering)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.rewards import exact_match, exact_match_reward, f1_reward, f1_score, last_boxed
 
 

@@ -25,7 +25,7 @@ def installed_wheel_versions() -> dict[str, str]:
 
 def _print_info(_: argparse.Namespace) -> int:
     # Imported here: the device module imports torch, which `miles --help` must not wait for.
-    from miles.backends.training_utils.device import get_device_info
+    from miles.backends.training_utils.infra.device import get_device_info
 
     device = get_device_info()
     print(f"device: {device.kind} x{device.count} (distributed backend: {device.dist_backend})")

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.backends.training_utils.checkpoint_paths import hf_checkpoint_dir
-from miles.backends.training_utils.distillation import DistillationConfig
-from miles.backends.training_utils.loss_config import LossConfig
+from miles.backends.training_utils.algorithms.distillation import DistillationConfig
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.infra.checkpoint_paths import hf_checkpoint_dir
 from miles.config.groups import (
     CheckpointConfig,
     ClusterConfig,
@@ -429,7 +429,7 @@ def _check_across_groups(config: MilesConfig) -> None:
 
 def _check_reference_model(config: MilesConfig) -> None:
     """--ref-load and --ref-update-interval configure a reference model only a KL reads."""
-    from miles.backends.training_utils.algorithms import Algorithm
+    from miles.backends.training_utils.algorithms.algorithm import Algorithm
 
     checkpoint = config.checkpoint
     if Algorithm.from_config(config.algorithm).needs_reference:
@@ -448,7 +448,7 @@ def _check_reference_model(config: MilesConfig) -> None:
 def _check_distillation(config: MilesConfig) -> None:
     """--use-opd with the rest: the loss must train on the student's samples, and the teacher
     must read the student's token ids."""
-    from miles.backends.training_utils.algorithms import Algorithm
+    from miles.backends.training_utils.algorithms.algorithm import Algorithm
     from miles.utils.hf_config import hf_config_value
 
     distillation = config.distillation

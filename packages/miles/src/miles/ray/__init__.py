@@ -18,7 +18,7 @@ without importing the train-actor machinery.
 import importlib
 from typing import Any
 
-from miles.backends.training_utils.vendor_libs import disable_unusable_amdsmi
+from miles.backends.training_utils.infra.vendor_libs import disable_unusable_amdsmi
 
 # Every module of this package imports Ray, whose GPU probe inside `import ray` imports amdsmi: an
 # amdsmi that cannot load must be set aside first, or no miles process starts.

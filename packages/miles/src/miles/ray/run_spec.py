@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from miles.backends.training_utils.distillation import DistillationConfig
+    from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.config.schema import MilesConfig
 
 

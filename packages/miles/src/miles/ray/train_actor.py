@@ -1,7 +1,7 @@
 """The training-backend contract (architecture.md: "Contracts / Training backend"): `TrainRayActor`.
 
 A backend subclasses `TrainRayActor` and implements one method, `build_engine`, returning its
-`TrainEngine` (training_utils.train_engine). Everything else a rank does is here, once: the
+`TrainEngine` (training_utils.step.train_engine). Everything else a rank does is here, once: the
 process group, the RL step (`PolicyTrainer`), resume, checkpoints, weight pushes to the engines,
 sleep / wake. The train loop wraps the class in a Ray actor and sends every rank the same calls.
 This module imports neither Ray nor any backend, so core stays backend-free.
@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from miles.backends.sglang_utils.client import EngineTimeouts
 from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
-from miles.backends.training_utils.algorithms import Algorithm
-from miles.backends.training_utils.device import dist_backend, set_device
-from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.rollout_data import RolloutBatch
-from miles.backends.training_utils.train_engine import TrainEngine
-from miles.backends.training_utils.trainer import PolicyTrainer
+from miles.backends.training_utils.algorithms.algorithm import Algorithm
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
+from miles.backends.training_utils.infra.device import dist_backend, set_device
+from miles.backends.training_utils.step.train_engine import TrainEngine
+from miles.backends.training_utils.step.trainer import PolicyTrainer
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.run_spec import TrainRunSpec
 from miles.utils.checkpoint_layout import commit_checkpoint

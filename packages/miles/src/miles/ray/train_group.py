@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import ray
-from miles.backends.training_utils.import_path import load_object
-from miles.backends.training_utils.loss_config import LossConfig
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.infra.import_path import load_object
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from miles.backends.training_utils.import_path import ImportPathError, load_function
+from miles.backends.training_utils.infra.import_path import ImportPathError, load_function
 
 AGENT_FLAG = "--agent-function-path"
 

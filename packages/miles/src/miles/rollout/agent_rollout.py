@@ -28,7 +28,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.agent_function import load_agent
 from miles.rollout.agent_session import AgentSession, SessionEnd
 from miles.rollout.context import RolloutContext, RolloutOutput

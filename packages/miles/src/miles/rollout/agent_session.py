@@ -38,7 +38,7 @@ from miles.backends.sglang_utils.reference_engine.openai_protocol import (
 )
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
 from miles.backends.sglang_utils.tool_calls import parse_tool_calls
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.chat_template import ChatTemplate
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.engine_pool import EnginePool

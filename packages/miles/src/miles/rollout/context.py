@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 
 if TYPE_CHECKING:
     from miles.rollout.chat_template import ChatTemplate

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.group_loop import run_groups
 

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout._prompt_dataset import DataSourceConfig, PromptDataset, PromptRecord
 
 __all__ = [

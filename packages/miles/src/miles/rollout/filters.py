@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from miles.backends.training_utils.import_path import load_function, split_import_path
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
+from miles.backends.training_utils.infra.import_path import load_function, split_import_path
 
 FILTER_FLAG = "--dynamic-sampling-filter-path"
 

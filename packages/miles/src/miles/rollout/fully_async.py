@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.data_source import RolloutDataSource, sample_from_dict, sample_to_dict
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.group_loop import GroupOutcome

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.context import GroupGenerator, RolloutContext, RolloutOutput
 from miles.rollout.engine_pool import EngineLostError, EngineUnavailableError
 from miles.rollout.filters import GroupFilter, keep_group, resolve_filter

@@ -12,8 +12,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from miles.backends.training_utils.import_path import ImportPathError, load_object
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
+from miles.backends.training_utils.infra.import_path import ImportPathError, load_object
 from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.contract import Rollout
 from miles.rollout.rollout_config import ROLLOUT_FUNCTION_FLAG, RolloutConfig

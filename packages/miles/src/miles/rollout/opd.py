@@ -5,7 +5,7 @@ generates nothing (`max_new_tokens: 0`) and returns the prompt log-probs from po
 `prompt_length - 1` on (SGLang's `logprob_start_len`). The engine lists None for that first
 position and then log p_teacher(ids[p] | ids[:p]) for every later p: exactly the response tokens.
 The scores go onto `Sample.teacher_log_probs`; the train step forms the KL
-(`training_utils.teacher_kl`). With --opd-kl-mode topk the same request also asks for the
+(`training_utils.algorithms.teacher_kl`). With --opd-kl-mode topk the same request also asks for the
 teacher's top tokens at each position (`top_logprobs_num`, SGLang's `input_top_logprobs`), which
 go onto `Sample.teacher_top_ids` and `teacher_top_log_probs`. Samples are scored with the teacher's own distribution
 (temperature 1), whatever the rollout's temperature.
@@ -17,7 +17,7 @@ import asyncio
 import statistics
 from typing import Any
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 from miles.rollout.engine_pool import EnginePool
 
 _MAX_CONCURRENT_REQUESTS = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from miles.backends.training_utils.import_path import split_import_path
+from miles.backends.training_utils.infra.import_path import split_import_path
 from miles.rollout.agent_function import load_agent
 from miles.rollout.filters import check_filter_path
 from miles.rollout.tools import load_tools

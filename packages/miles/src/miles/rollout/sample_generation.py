@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.engine_pool import EnginePool
 
 GenerateFunction = Callable[[EnginePool, Sample, dict[str, Any]], Awaitable[Sample]]

@@ -13,7 +13,7 @@ import abc
 import asyncio
 from typing import Any
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.context import RolloutContext
 from miles.rollout.contract import Rollout
 from miles.rollout.sample_generation import needs_generation

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.contract import Rollout
 from miles.rollout.single_turn import SingleTurnRollout

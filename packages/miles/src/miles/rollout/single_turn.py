@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from miles.backends.training_utils.import_path import load_function
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.infra.import_path import load_function
 from miles.rollout.context import RolloutContext
 from miles.rollout.contract import Rollout
 from miles.rollout.rollout_config import GENERATE_FLAG, RolloutConfig

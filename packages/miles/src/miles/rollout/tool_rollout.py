@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.backends.sglang_utils.client import EngineError
 from miles.backends.sglang_utils.tool_calls import parse_tool_calls
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.rollout.chat_turns import ChatTurns
 from miles.rollout.context import RolloutContext, RolloutOutput
 from miles.rollout.engine_pool import EnginePool

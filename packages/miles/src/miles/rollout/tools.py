@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from miles.backends.training_utils.import_path import load_function
+from miles.backends.training_utils.infra.import_path import load_function
 
 TOOL_PATHS_FLAG = "--tool-paths"
 # Sync tools run here, not in the event loop's default executor: a tool that hangs past its

@@ -11,15 +11,15 @@ import statistics
 
 import torch
 
-from miles.backends.training_utils.algorithms import shape_rewards
-from miles.backends.training_utils.data import dp_partitions
-from miles.backends.training_utils.loss_config import LossConfig
-from miles.backends.training_utils.rollout_data import (
+from miles.backends.training_utils.algorithms.algorithm import shape_rewards
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.batching.rollout_data import (
     RolloutBatch,
     samples_to_rollout_batch,
     split_rollout_batch_by_dp,
 )
-from miles.backends.training_utils.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.sample import Sample, SampleStatus
+from miles.backends.training_utils.batching.train_batches import dp_partitions
 
 
 def build_train_data(

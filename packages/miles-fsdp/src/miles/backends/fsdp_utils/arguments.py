@@ -1,24 +1,19 @@
-"""Settings of the FSDP training backend: one dataclass, loaded from YAML and command-line flags.
+"""Settings of the FSDP training backend: one dataclass, the `backend` group of the run's config.
 
-Every field is a user flag (`lr_decay_style` is `--lr-decay-style`). Settings this backend cannot
-honour raise at load time, naming the flag, instead of being silently ignored (architecture.md: "Design rules").
+Every field is a user flag (`lr_decay_style` is `--lr-decay-style`), read from YAML and the
+command line by the run's config loader (`miles.config.load_config`), like every other group.
+Settings this backend cannot honour raise at load time, naming the flag, instead of being silently
+ignored (architecture.md: "Design rules").
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import importlib.util
 import logging
 import typing
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Literal
 
-import yaml
-
-from miles.config.options import convert
-from miles.config.options import flag_name as _flag
 from miles.config.trainer_args import TrainerArgs
 
 logger = logging.getLogger(__name__)
@@ -106,7 +101,7 @@ def _check_unsupported(args: FSDPArgs) -> None:
 
 def _check_flash_attention() -> None:
     # Imported here: the device module imports torch, which reading the config must not.
-    from miles.backends.training_utils.device import get_device_info
+    from miles.backends.training_utils.infra.device import get_device_info
 
     kind = get_device_info().kind
     # ROCm builds of PyTorch run flash-attn through the same "cuda" device type.
@@ -133,95 +128,3 @@ def validate_hybrid_shard_args(world_size: int, dp_replicate_size: int) -> None:
             f"training ranks ({world_size}); each HSDP replica shards over world size / replicas "
             f"ranks: use one of {divisors}"
         )
-
-
-def load_fsdp_args(config_path: str | None = None, argv: list[str] | None = None) -> FSDPArgs:
-    """FSDPArgs from defaults, then a YAML file, then command-line flags (the last one wins).
-
-    YAML keys may use `_` or `-` (`lr_decay_style` / `lr-decay-style`). Flags are `--lr 1e-5`,
-    `--lr=1e-5`, and for booleans `--gradient-checkpointing` / `--no-gradient-checkpointing`.
-    Unknown names are rejected with the closest valid one suggested.
-    """
-    values: dict[str, Any] = {}
-    if config_path is not None:
-        values.update(_read_yaml(config_path))
-    if argv:
-        values.update(_parse_argv(argv))
-    return FSDPArgs(**values)
-
-
-@functools.cache
-def _field_types() -> dict[str, Any]:
-    # The module uses postponed annotations, so the dataclass fields hold strings; resolve once.
-    return typing.get_type_hints(FSDPArgs)
-
-
-def _literal_choices(annotation: Any) -> tuple[str, ...]:
-    return get_args(annotation) if get_origin(annotation) is Literal else ()
-
-
-def _unknown(name: str, known: list[str], what: str) -> ValueError:
-    """An "unknown FSDP <what>" error naming the closest known name (all of them if none is)."""
-    match = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {match[0]!r}?" if match else f"; valid names: {', '.join(known)}"
-    return ValueError(f"unknown FSDP {what}{hint}")
-
-
-def _read_yaml(config_path: str) -> dict[str, Any]:
-    with Path(config_path).open() as f:
-        raw = yaml.safe_load(f)
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ValueError(
-            f"{config_path} must hold a mapping of FSDP settings (lr: 1e-6, ...), "
-            f"got a {type(raw).__name__}"
-        )
-    types_ = _field_types()
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in types_:
-            known = [n.replace("_", "-") if "-" in str(key) else n for n in types_]
-            raise _unknown(str(key), known, f"setting {str(key)!r} in {config_path}")
-        if name in values:
-            raise ValueError(f"{config_path} sets {name!r} twice (with '_' and with '-')")
-        values[name] = _convert(value, types_[name], f"{key!r} in {config_path}")
-    return values
-
-
-def _parse_argv(argv: list[str]) -> dict[str, Any]:
-    types_ = _field_types()
-    flags = [_flag(n) for n in types_]
-    flags += [f"--no-{n.replace('_', '-')}" for n, t in types_.items() if t is bool]
-    values: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        i += 1
-        if not token.startswith("--"):
-            raise ValueError(f"unexpected argument {token!r}; FSDP flags look like --lr 1e-5")
-        flag, has_value, value = token.partition("=")
-        name = flag[2:].replace("-", "_")
-        if name.startswith("no_") and types_.get(name[3:]) is bool and not has_value:
-            values[name[3:]] = False
-            continue
-        if name not in types_:
-            raise _unknown(flag, flags, f"flag {flag!r}")
-        if types_[name] is bool and not has_value:
-            values[name] = True
-            continue
-        if not has_value:
-            if i >= len(argv) or argv[i].startswith("--"):
-                raise ValueError(f"{flag} needs a value, e.g. {flag} <value>")
-            value = argv[i]
-            i += 1
-        values[name] = _convert(value, types_[name], flag)
-    return values
-
-
-def _convert(value: Any, annotation: Any, where: str) -> Any:
-    """`value` (from YAML or a command-line string) as the field's type, or a ValueError."""
-    if _literal_choices(annotation):
-        return str(value)  # membership is checked, with the choices listed, in __post_init__
-    return convert(value, annotation, f"FSDP setting {where}")

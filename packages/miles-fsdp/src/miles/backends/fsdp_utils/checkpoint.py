@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim.lr_scheduler import LRScheduler
 
 from miles.backends.fsdp_utils.precision import hf_parameter_name
-from miles.backends.training_utils.device import get_device_info
+from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
     atomic_write_text,

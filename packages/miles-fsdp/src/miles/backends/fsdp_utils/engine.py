@@ -44,18 +44,18 @@ from miles.backends.fsdp_utils.prompt_sharing import (
 from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
-from miles.backends.training_utils.data import get_batch, token_rows
-from miles.backends.training_utils.device import (
+from miles.backends.training_utils.batching.packing import PackedBatch
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
+from miles.backends.training_utils.batching.train_batches import get_batch, token_rows
+from miles.backends.training_utils.infra.device import (
     collective_device,
     empty_cache,
     get_device_info,
     synchronize,
 )
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.packing import PackedBatch
-from miles.backends.training_utils.rollout_data import RolloutBatch
-from miles.backends.training_utils.routing_replay import moe_routers
-from miles.backends.training_utils.train_engine import (
+from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.step.routing_replay import moe_routers
+from miles.backends.training_utils.step.train_engine import (
     SCORED_TOKEN_IDS,
     LoadedCheckpoint,
     MicroBatchLoss,

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
-from miles.backends.training_utils.packing import PackedBatch
+from miles.backends.training_utils.batching.packing import PackedBatch
 
 logger = logging.getLogger(__name__)
 

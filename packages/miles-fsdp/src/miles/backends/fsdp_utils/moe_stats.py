@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from miles.backends.training_utils.routing_replay import moe_routers
+from miles.backends.training_utils.step.routing_replay import moe_routers
 
 
 class MoEStats:

@@ -24,7 +24,7 @@ import logging
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from miles.backends.training_utils.parallel import GroupInfo, ParallelState
+from miles.backends.training_utils.infra.parallel import GroupInfo, ParallelState
 
 logger = logging.getLogger(__name__)
 

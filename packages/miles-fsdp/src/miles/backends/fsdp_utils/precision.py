@@ -14,7 +14,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from miles.backends.fsdp_utils.arguments import FSDPArgs
-from miles.backends.training_utils.device import DEVICE_KINDS
+from miles.backends.training_utils.infra.device import DEVICE_KINDS
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from miles.backends.training_utils.packing import PAD_TOKEN_ID, PackedBatch
+from miles.backends.training_utils.batching.packing import PAD_TOKEN_ID, PackedBatch
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from miles.backends.fsdp_utils.modeling import runs_as_one_row
-from miles.backends.training_utils.packing import PackedBatch
-from miles.backends.training_utils.rollout_data import RolloutBatch
-from miles.backends.training_utils.routing_replay import RoutingReplay, decode_routed_experts
+from miles.backends.training_utils.batching.packing import PackedBatch
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
+from miles.backends.training_utils.step.routing_replay import RoutingReplay, decode_routed_experts
 
 ReplayMode = Literal["rollout", "old_policy"]
 Phase = Literal["old_policy", "train"]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.precision import hf_parameter_name
-from miles.backends.training_utils.device import current_device
+from miles.backends.training_utils.infra.device import current_device
 
 
 def iter_full_tensors(

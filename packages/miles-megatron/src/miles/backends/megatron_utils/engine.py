@@ -40,8 +40,8 @@ from miles.backends.megatron_utils.model_provider import (
 from miles.backends.megatron_utils.offload import StorageOffloader
 from miles.backends.megatron_utils.parallel import initialize_megatron_parallel
 from miles.backends.megatron_utils.weights import export_hf_directory, iter_hf_tensors
-from miles.backends.training_utils.rollout_data import RolloutBatch, batch_size
-from miles.backends.training_utils.train_engine import (
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch, batch_size
+from miles.backends.training_utils.step.train_engine import (
     LoadedCheckpoint,
     MicroBatchLoss,
     OptimizerStepResult,

@@ -27,10 +27,10 @@ from miles.backends.megatron_utils.context_parallel import (
     local_positions,
     split_sequence,
 )
-from miles.backends.training_utils.data import token_rows
-from miles.backends.training_utils.logprobs import get_log_probs_and_entropy
-from miles.backends.training_utils.rollout_data import RolloutBatch
-from miles.backends.training_utils.train_engine import SCORED_TOKEN_IDS, MicroBatchLoss
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
+from miles.backends.training_utils.batching.train_batches import token_rows
+from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS, MicroBatchLoss
 
 
 def pad_micro_batch(

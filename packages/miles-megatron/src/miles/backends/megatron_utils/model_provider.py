@@ -28,7 +28,7 @@ from miles.backends.megatron_utils.arguments import (
 from miles.backends.megatron_utils.context_parallel import ContextParallelAttention
 from miles.backends.megatron_utils.convert import attention_dims, hf_to_megatron
 from miles.backends.megatron_utils.tp_sharding import tp_shard
-from miles.backends.training_utils.device import get_device_info
+from miles.backends.training_utils.infra.device import get_device_info
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from miles.backends.megatron_utils.arguments import MegatronArgs
-from miles.backends.training_utils.parallel import GroupInfo, ParallelState
+from miles.backends.training_utils.infra.parallel import GroupInfo, ParallelState
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ def require_sglang() -> None:
     """Raise SGLangUnavailableError unless SGLang is installed and a CUDA or ROCm GPU is present."""
     # Imported here: the device module imports torch, which the engine's Ray actor (it only
     # starts the server process) otherwise never needs.
-    from miles.backends.training_utils.device import get_device_info
+    from miles.backends.training_utils.infra.device import get_device_info
 
     installed = importlib.util.find_spec("sglang") is not None
     kind = get_device_info().kind

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from miles.backends.training_utils.import_path import ImportPathError, split_import_path
+from miles.backends.training_utils.infra.import_path import ImportPathError, split_import_path
 
 RmType = Literal["math", "exact_match", "f1", "remote", "custom"]
 RM_TYPES: tuple[str, ...] = get_args(RmType)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.backends.training_utils.import_path import load_function
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
+from miles.backends.training_utils.infra.import_path import load_function
 from miles.rollout.rewards.config import CUSTOM_RM_PATH_FLAG, RewardConfig
 from miles.rollout.rewards.math import math_reward
 from miles.rollout.rewards.remote import RemoteRewardModel

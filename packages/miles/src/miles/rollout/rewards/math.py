@@ -12,7 +12,7 @@ import functools
 import logging
 from types import ModuleType
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 
 
 def _not_timeout_disabled_warning(record: logging.LogRecord) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from miles.backends.sglang_utils.client import server_message
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import re
 import string
 from collections import Counter
 
-from miles.backends.training_utils.sample import Sample
+from miles.backends.training_utils.batching.sample import Sample
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_BARE = re.compile(r"\\boxed\s+([^\s$]+)")

@@ -31,7 +31,7 @@ from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
 from miles.backends.sglang_utils.weight_sync import DISTRIBUTED_LOAD_FORMATS, FLATTENED_BUCKET
-from miles.backends.training_utils.device import get_torch_device
+from miles.backends.training_utils.infra.device import get_torch_device
 
 VERSION = "miles-reference-engine/1"
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from miles.backends.training_utils.routing_replay import moe_routers
+from miles.backends.training_utils.step.routing_replay import moe_routers
 
 
 class RoutedExpertsRecorder:
@@ -60,6 +60,6 @@ class RoutedExpertsRecorder:
 
 def encode_routed_experts(steps: list[Tensor]) -> str:
     """SGLang's `routed_experts`: base64 of the int32 (tokens, layers, top_k) array, C order
-    (`training_utils.routing_replay.decode_routed_experts` reads it)."""
+    (`training_utils.step.routing_replay.decode_routed_experts` reads it)."""
     array = torch.cat(steps).numpy().astype("<i4", copy=False)
     return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")

@@ -32,7 +32,7 @@ from miles.backends.sglang_utils.weight_sync import (
     receive_tensors,
     unflatten_bucket,
 )
-from miles.backends.training_utils.device import empty_cache
+from miles.backends.training_utils.infra.device import empty_cache
 
 logger = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")

@@ -31,7 +31,7 @@ from miles.backends.sglang_utils.weight_sync.senders import (
     DistributedWeightSender,
     TensorWeightSender,
 )
-from miles.backends.training_utils.device import current_device, dist_backend
+from miles.backends.training_utils.infra.device import current_device, dist_backend
 
 logger = logging.getLogger(__name__)
 

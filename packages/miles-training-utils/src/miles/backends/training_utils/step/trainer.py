@@ -1,0 +1,378 @@
+"""`PolicyTrainer`: one rollout's RL (or SFT) optimizer steps, written once for every backend.
+
+Given this rank's shard of a rollout and a `TrainEngine`, it splits the shard into optimizer
+steps, computes exactly the batch inputs the loss reads (old-policy and reference log-probs, the
+engine's, advantages and returns), forms micro-batches (dynamic ones the same number on every
+data-parallel rank), normalizes the loss by global counts, and reports each step's metrics. It
+also owns the step-0 check (`logprob_gap`). The engine only runs micro-batches through its model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.backends.training_utils.algorithms.algorithm import (
+    Algorithm,
+    compute_advantages_and_returns,
+)
+from miles.backends.training_utils.algorithms.distillation import DistillationConfig
+from miles.backends.training_utils.algorithms.loss import LossNormalizer, reduce_loss
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.algorithms.teacher_kl import (
+    kl_loss_per_token,
+    penalize_advantages,
+    reverse_kl,
+    topk_forward_kl,
+)
+from miles.backends.training_utils.batching.micro_batch import num_micro_batches
+from miles.backends.training_utils.batching.rollout_data import (
+    RolloutBatch,
+    batch_size,
+    select_rows,
+)
+from miles.backends.training_utils.batching.train_batches import (
+    DataIterator,
+    get_data_iterator,
+    token_columns,
+    token_rows,
+)
+from miles.backends.training_utils.infra.device import collective_device
+from miles.backends.training_utils.infra.metrics import (
+    aggregate_train_losses,
+    log_train_step,
+    token_weighted,
+)
+from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS, TrainEngine
+
+logger = logging.getLogger(__name__)
+
+# Batch input -> the shard column that holds it (the old policy's log-probs live in "log_probs").
+_COLUMNS = {
+    "old_log_probs": "log_probs",
+    "ref_log_probs": "ref_log_probs",
+    "rollout_log_probs": "rollout_log_probs",
+    "advantages": "advantages",
+    "values": "values",
+}
+
+
+class PolicyTrainer:
+    """The per-rollout train step over one engine; every rank makes the same calls."""
+
+    def __init__(
+        self,
+        engine: TrainEngine,
+        loss: LossConfig,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None,
+        max_tokens_per_gpu: int | None,
+        use_rollout_logprobs: bool = False,
+        distillation: DistillationConfig | None = None,
+    ) -> None:
+        """`micro_batch_size` and `max_tokens_per_gpu`: exactly one is set (fixed micro-batches
+        of that many samples, or dynamic ones of at most that many tokens per GPU).
+        `distillation`: with --use-opd, the teacher KL enters the advantages or the loss."""
+        if (micro_batch_size is None) == (max_tokens_per_gpu is None):
+            raise ValueError(
+                "pass either micro_batch_size (fixed micro-batches) or max_tokens_per_gpu "
+                f"(--use-dynamic-batch-size), got {micro_batch_size} and {max_tokens_per_gpu}"
+            )
+        self.check_settings(loss, use_rollout_logprobs=use_rollout_logprobs)
+        if global_batch_size % engine.dp_size:
+            raise ValueError(
+                f"--global-batch-size ({global_batch_size}) must be divisible by the "
+                f"data-parallel size ({engine.dp_size}); use a multiple of {engine.dp_size}"
+            )
+        self.engine = engine
+        self.config = loss
+        self.algorithm = Algorithm.from_config(loss)
+        self.distillation = distillation if distillation and distillation.use_opd else None
+        # The teacher KL compares the teacher with the policy that sampled (the old policy).
+        self.inputs = self.algorithm.inputs | ({"old_log_probs"} if self.distillation else set())
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.use_rollout_logprobs = use_rollout_logprobs
+        self.global_step = 0
+        """Optimizer steps taken so far (restored on resume)."""
+
+    @staticmethod
+    def check_settings(loss: LossConfig, *, use_rollout_logprobs: bool) -> None:
+        """Refuse setting combinations the step cannot honour (callable before any model is
+        built, as the train actor does)."""
+        if use_rollout_logprobs and loss.off_policy_correction is not None:
+            raise ValueError(
+                f"--off-policy-correction {loss.off_policy_correction} with "
+                "--use-rollout-logprobs compares the rollout log-probs with themselves (every "
+                "weight is 1); drop one of them"
+            )
+        if use_rollout_logprobs and "old_log_probs" not in Algorithm.from_config(loss).inputs:
+            raise ValueError(
+                f"--use-rollout-logprobs has no effect with --loss-type {loss.loss_type}, which "
+                "reads no old-policy log-probs; drop the flag"
+            )
+
+    # -- the rollout --------------------------------------------------------------------------
+
+    def train(self, batch: RolloutBatch) -> list[dict[str, float]]:
+        """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
+        num_steps = self._num_steps(batch_size(batch))
+        # With one optimizer step the old policy *is* the policy when the step starts: its
+        # log-probs come from the step's own forward (detached), not from a second pass. A KL
+        # penalty folded into rewards needs them before the step, for the advantages.
+        # The same holds for the teacher KL folded into the advantages.
+        old_from_step = (
+            num_steps == 1
+            and not self.use_rollout_logprobs
+            and not self.config.kl_coef
+            and not (self.distillation and self.distillation.kl_in_advantages)
+        )
+        self._prepare(batch, old_from_step=old_from_step)
+        per_step = batch_size(batch) // num_steps
+        metrics = []
+        for step in range(num_steps):
+            rows = range(step * per_step, (step + 1) * per_step)
+            metrics.append(self._step(select_rows(batch, rows), old_from_step=old_from_step))
+            logger.info("step %d/%d: %s", step + 1, num_steps, metrics[-1])
+        return metrics
+
+    def logprob_gap(self, batch: RolloutBatch) -> float:
+        """The step-0 check: mean |trainer - engine| log-prob over the trainable (loss-mask 1)
+        response tokens of every rank's shard."""
+        if "rollout_log_probs" not in batch:
+            raise ValueError(
+                "the step-0 check compares with the engine's log-probs, but the batch has none; "
+                "request return_logprob in the rollout or pass --check-weight-sync-tolerance none"
+            )
+        ours = self.log_probs(batch, reference=False)
+        totals = torch.zeros(2, dtype=torch.float64)  # [sum |gap| * mask, sum mask]
+        for trainer, engine, mask in zip(
+            ours, batch["rollout_log_probs"], batch["loss_masks"], strict=True
+        ):
+            weights = torch.as_tensor(mask, dtype=torch.float64)
+            gap = (trainer.double() - torch.as_tensor(engine, dtype=torch.float64)).abs()
+            totals += torch.stack([(gap * weights).sum(), weights.sum()])
+        gap_sum, tokens = self._all_reduce(totals).tolist()
+        return gap_sum / max(tokens, 1.0)
+
+    def _num_steps(self, local_samples: int) -> int:
+        dp, gbs = self.engine.dp_size, self.global_batch_size
+        total = local_samples * dp
+        if local_samples == 0 or total % gbs:
+            raise ValueError(
+                f"the rollout holds {total} samples ({local_samples} per data-parallel rank x "
+                f"{dp} ranks), not a positive multiple of --global-batch-size ({gbs}); make "
+                "--rollout-batch-size x --n-samples-per-prompt a multiple of it"
+            )
+        return total // gbs
+
+    def _prepare(self, batch: RolloutBatch, *, old_from_step: bool) -> None:
+        """The batch inputs needed before the first step, for the whole shard."""
+        inputs = self.inputs
+        if "values" in inputs:
+            raise ValueError(
+                f"--advantage-estimator {self.config.advantage_estimator} needs a critic's "
+                "values, and no backend trains a critic yet; use a critic-free estimator (grpo)"
+            )
+        if "rollout_log_probs" in inputs or self.use_rollout_logprobs:
+            _require_rollout_log_probs(batch, self.use_rollout_logprobs)
+        if "old_log_probs" in inputs and not old_from_step:
+            if self.use_rollout_logprobs:
+                batch["log_probs"] = [torch.as_tensor(r) for r in batch["rollout_log_probs"]]
+            else:
+                batch["log_probs"] = self.log_probs(batch, reference=False)
+        if "ref_log_probs" in inputs:
+            batch["ref_log_probs"] = self.log_probs(batch, reference=True)
+        if self.distillation is not None and "teacher_log_probs" not in batch:
+            raise ValueError(
+                "--use-opd trains on the teacher's log-probs, but the batch has no "
+                "'teacher_log_probs': the rollout manager scores every sample with the teacher "
+                "engines; a custom path that builds train data must keep Sample.teacher_log_probs"
+            )
+        if self.distillation is not None and self.distillation.teacher_top_k:
+            missing = {SCORED_TOKEN_IDS, "teacher_top_log_probs"} - batch.keys()
+            if missing:
+                raise ValueError(
+                    f"--opd-kl-mode topk trains on the teacher's top tokens, but the batch has no "
+                    f"{sorted(missing)}: the rollout manager asks the teacher engines for them; a "
+                    "custom path that builds train data must keep Sample.teacher_top_ids and "
+                    "teacher_top_log_probs"
+                )
+        if "advantages" in inputs:
+            compute_advantages_and_returns(batch, self.config, group=self.engine.dp_group)
+            if self.distillation is not None and self.distillation.kl_in_advantages:
+                batch["advantages"] = penalize_advantages(
+                    batch["advantages"],
+                    [torch.as_tensor(lp) for lp in batch["log_probs"]],
+                    [torch.as_tensor(lp) for lp in batch["teacher_log_probs"]],
+                    [torch.as_tensor(m) for m in batch["loss_masks"]],
+                    coef=self.distillation.opd_kl_coef,
+                )
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def _step(self, step_batch: RolloutBatch, *, old_from_step: bool) -> dict[str, float]:
+        """One optimizer step over this rank's share of one global batch."""
+        local_tokens = torch.tensor(
+            [float(sum(sum(mask) for mask in step_batch["loss_masks"]))], dtype=torch.float64
+        )
+        normalizer = LossNormalizer(
+            num_samples=self.global_batch_size,
+            num_tokens=int(self._all_reduce(local_tokens).item()),
+            dp_size=self.engine.dp_size,
+        )
+        micro_batches = list(self._micro_batches(step_batch))
+        columns = [
+            _COLUMNS[name]
+            for name in sorted(self.inputs)
+            if not (old_from_step and name == "old_log_probs")
+        ]
+        if self.distillation is not None:
+            columns.append("teacher_log_probs")
+        compute_loss, config = self.algorithm.loss.loss_function, self.config
+
+        def loss_fn(index: int, log_probs: Tensor, entropy: Tensor, scored: Tensor | None):
+            micro = micro_batches[index]
+            tensors = token_columns(micro, ["loss_masks", *columns])
+            inputs: dict[str, Any] = {
+                "log_probs": log_probs,
+                "entropy": entropy,
+                "loss_mask": tensors["loss_masks"].to(log_probs.device),
+                "response_lengths": micro["response_lengths"],
+            }
+            for name, column in _COLUMNS.items():
+                if column in columns:
+                    inputs[name] = tensors[column].to(log_probs.device)
+            if old_from_step and "old_log_probs" in self.inputs:
+                inputs["old_log_probs"] = log_probs.detach()  # ratio 1: the step's start policy
+            loss, metrics = compute_loss(inputs, config, normalizer)
+            if self.distillation is not None:
+                teacher = tensors["teacher_log_probs"].to(log_probs.device)
+                loss = loss + self._teacher_kl_term(inputs, teacher, normalizer, metrics)
+            if self.distillation is not None and self.distillation.teacher_top_k:
+                loss = loss + self._topk_term(inputs, micro, scored, normalizer, metrics)
+            # Each micro-batch's loss carries reduce_loss's x dp factor; weighted 1 / (micro-
+            # batches per rank), the weights over every rank add up to dp, so the mean is the
+            # global batch's loss.
+            weight = torch.tensor(1.0 / len(micro_batches), dtype=torch.float64)
+            metrics["loss"] = torch.stack([loss.detach().double().cpu(), weight])
+            return loss, metrics
+
+        self.engine.zero_grad()
+        pairs = self.engine.forward_backward(micro_batches, loss_fn)
+        result = self.engine.optimizer_step()
+        if not result.applied:
+            logger.warning("optimizer step skipped: gradient norm %s", result.grad_norm)
+        self.global_step += 1
+        metrics = aggregate_train_losses(pairs, group=self.engine.dp_group)
+        return log_train_step(
+            metrics, step=self.global_step, lr=result.lr, grad_norm=result.grad_norm
+        )
+
+    def _teacher_kl_term(
+        self, inputs: dict[str, Any], teacher: Tensor, normalizer: LossNormalizer, metrics: dict
+    ) -> Tensor:
+        """Reports `opd_teacher_kl` (mean per trainable token); returns the loss-mode term (0 in
+        advantages mode, where the KL already is in the advantages)."""
+        assert self.distillation is not None
+        mask, old = inputs["loss_mask"], inputs["old_log_probs"]
+        metrics["opd_teacher_kl"] = token_weighted(reverse_kl(old, teacher), mask)
+        if not self.distillation.kl_in_loss:
+            return torch.zeros((), dtype=inputs["log_probs"].dtype, device=mask.device)
+        per_token = kl_loss_per_token(inputs["log_probs"], old, teacher)  # (T,)
+        term = reduce_loss(
+            per_token, mask.to(per_token.dtype), list(inputs["response_lengths"]),
+            config=self.config, normalizer=normalizer,
+        )  # fmt: skip
+        return self.distillation.opd_kl_coef * term
+
+    def _topk_term(
+        self,
+        inputs: dict[str, Any],
+        micro: RolloutBatch,
+        scored: Tensor | None,
+        normalizer: LossNormalizer,
+        metrics: dict,
+    ) -> Tensor:
+        """The topk-mode loss term, coef x the reduced forward KL from the teacher's top tokens;
+        reports it per trainable token as `opd_topk_kl`."""
+        assert self.distillation is not None
+        if scored is None:
+            raise RuntimeError(
+                f"--opd-kl-mode topk needs the log-probs of the micro-batch's {SCORED_TOKEN_IDS} "
+                "from the train engine, which passed none (a backend bug)"
+            )
+        mask = inputs["loss_mask"]
+        teacher = token_rows(micro, "teacher_top_log_probs", torch.float32).to(scored.device)
+        per_token = topk_forward_kl(scored, teacher)  # (T,)
+        metrics["opd_topk_kl"] = token_weighted(per_token.detach(), mask)
+        term = reduce_loss(
+            per_token, mask.to(per_token.dtype), list(inputs["response_lengths"]),
+            config=self.config, normalizer=normalizer,
+        )  # fmt: skip
+        return self.distillation.opd_kl_coef * term
+
+    # -- micro-batches and collectives --------------------------------------------------------
+
+    def _micro_batches(self, batch: RolloutBatch) -> DataIterator:
+        """Micro-batches of `batch`. Dynamic ones come in the same number on every
+        data-parallel rank: a sharded forward or backward is a collective."""
+        if self.max_tokens_per_gpu is None:
+            return get_data_iterator(
+                batch,
+                micro_batch_size=self.micro_batch_size,
+                max_tokens_per_gpu=None,
+                use_dynamic_batch_size=False,
+            )
+        # A context-parallel rank holds 1/cp of every sequence: cp times the tokens fit.
+        budget = self.max_tokens_per_gpu * self.engine.context_parallel_size
+        count = torch.tensor([float(num_micro_batches(batch["total_lengths"], budget))])
+        count = int(self._all_reduce(count.double(), op=dist.ReduceOp.MAX).item())
+        return get_data_iterator(
+            batch,
+            micro_batch_size=None,
+            max_tokens_per_gpu=budget,
+            use_dynamic_batch_size=True,
+            num_micro_batches=count,
+        )
+
+    def log_probs(self, batch: RolloutBatch, *, reference: bool = False) -> list[Tensor]:
+        """Per-sample (R,) log-probs of the policy (or reference) over the shard, no gradients."""
+        iterator = self._micro_batches(batch)
+        micro_batches = list(iterator)
+        results = self.engine.forward_log_probs(micro_batches, reference=reference)
+        out: list[Tensor | None] = [None] * batch_size(batch)
+        for rows, micro, log_probs in zip(
+            iterator.micro_batches, micro_batches, results, strict=True
+        ):
+            for row, piece in zip(rows, log_probs.split(micro["response_lengths"]), strict=True):
+                out[row] = piece
+        return out  # type: ignore[return-value]
+
+    def _all_reduce(self, values: Tensor, op: Any = None) -> Tensor:
+        """`values` (float64, CPU) reduced over the data-parallel replicas (SUM by default)."""
+        group = self.engine.dp_group
+        if group is None:
+            return values
+        on_device = values.to(collective_device(group))
+        dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM, group=group)
+        return on_device.cpu()
+
+
+def _require_rollout_log_probs(batch: RolloutBatch, use_rollout_logprobs: bool) -> None:
+    if "rollout_log_probs" not in batch:
+        why = (
+            "--use-rollout-logprobs takes the old policy's log-probs from the engine"
+            if use_rollout_logprobs
+            else "--off-policy-correction weighs by the engine's log-probs"
+        )
+        raise ValueError(
+            f"{why}, but the batch has no 'rollout_log_probs'; request return_logprob in the "
+            "rollout"
+        )

@@ -1,0 +1,241 @@
+"""PolicyTrainer over a small real engine (a bigram language model in plain PyTorch): the step
+computes only the inputs the loss reads, its gradient equals a float64 whole-batch reference,
+dynamic micro-batches come in the same number on every rank, the step-0 gap is loss-mask
+weighted, and bad batches are refused with the flag to fix."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.backends.training_utils.algorithms.algorithm import (
+    Algorithm,
+    compute_advantages_and_returns,
+)
+from miles.backends.training_utils.algorithms.loss import LossNormalizer, policy_loss
+from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
+from miles.backends.training_utils.step.train_engine import (
+    SCORED_TOKEN_IDS,
+    OptimizerStepResult,
+    TrainEngine,
+)
+from miles.backends.training_utils.step.trainer import PolicyTrainer
+from tests.support.distributed import run_distributed
+from tests.support.rollout_batches import random_rollout_batch
+
+VOCAB = 32
+TEMPERATURE = 0.7
+
+
+class BigramEngine:
+    """A `TrainEngine` whose model scores token t+1 from token t; it records what it was asked."""
+
+    def __init__(self, *, seed: int = 0, dp_group=None, dtype=torch.float32) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Embedding(VOCAB, VOCAB, dtype=dtype)
+        self.reference = nn.Embedding(VOCAB, VOCAB, dtype=dtype)
+        self.reference.load_state_dict(self.model.state_dict())
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.context_parallel_size = 1
+        self.engine_dtype = dtype
+        self.calls: list[tuple[str, int]] = []  # (what, micro-batches)
+
+    def _log_probs(self, model: nn.Module, micro: dict):
+        """(log_probs, entropy, scored): scored are the log-probs of the micro-batch's
+        SCORED_TOKEN_IDS (None without them), as the TrainEngine contract says."""
+        log_probs, entropies, scored = [], [], []
+        extra = micro.get(SCORED_TOKEN_IDS, [None] * len(micro["tokens"]))
+        for tokens, response, ids_k in zip(
+            micro["tokens"], micro["response_lengths"], extra, strict=True
+        ):
+            ids = torch.as_tensor(tokens)
+            start = len(tokens) - response
+            logits = model(ids[start - 1 : -1])  # (R, V): token t predicts t + 1
+            targets = ids[start:]
+            if ids_k is not None:  # (R, 1 + K): the target, then the scored ids
+                targets = torch.cat([targets.unsqueeze(-1), torch.as_tensor(ids_k)], dim=-1)
+            lp, ent = get_log_probs_and_entropy(logits, targets, temperature=TEMPERATURE)
+            log_probs.append(lp if ids_k is None else lp[:, 0])
+            scored.append(None if ids_k is None else lp[:, 1:])
+            entropies.append(ent)
+        top = None if scored[0] is None else torch.cat(scored)
+        return torch.cat(log_probs), torch.cat(entropies), top
+
+    def forward_log_probs(self, micro_batches: Sequence[dict], *, reference: bool = False):
+        self.calls.append(("reference" if reference else "policy", len(micro_batches)))
+        model = self.reference if reference else self.model
+        with torch.no_grad():
+            return [self._log_probs(model, m)[0].float() for m in micro_batches]
+
+    def forward_backward(self, micro_batches, loss_fn):
+        self.calls.append(("train", len(micro_batches)))
+        metrics = []
+        for index, micro in enumerate(micro_batches):
+            loss, pairs = loss_fn(index, *self._log_probs(self.model, micro))
+            loss.backward()
+            metrics.append(pairs)
+        return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def update_reference(self) -> None:
+        self.reference.load_state_dict(self.model.state_dict())
+
+    def optimizer_step(self) -> OptimizerStepResult:
+        grad = self.model.weight.grad
+        if self.dp_group is not None:  # gradients are averaged over replicas, as FSDP does
+            dist.all_reduce(grad, group=self.dp_group)
+            grad /= self.dp_size
+        self.last_grad = grad.clone()
+        norm = float(grad.norm())
+        self.optimizer.step()
+        return OptimizerStepResult(grad_norm=norm, lr=0.1, applied=True)
+
+    def named_weights(self):
+        yield "weight", self.model.weight.detach()
+
+    def weights_on_device(self):
+        return contextlib.nullcontext()
+
+    def save(self, directory, rollout_id, extra): ...  # not used by the step
+
+    def load(self, directory):
+        return None
+
+    def export_hf(self, path): ...
+
+    def sleep(self): ...
+
+    def wake_up(self): ...
+
+
+def trainer(engine, loss: LossConfig | None = None, **kwargs) -> PolicyTrainer:
+    settings = {"global_batch_size": 8, "micro_batch_size": 2, "max_tokens_per_gpu": None}
+    return PolicyTrainer(engine, loss or LossConfig(), **{**settings, **kwargs})
+
+
+def batch(num_samples: int = 8, seed: int = 0, **kwargs) -> dict:
+    return random_rollout_batch(num_samples, seed=seed, vocab_size=VOCAB, **kwargs)
+
+
+def test_the_bigram_engine_implements_the_protocol():
+    assert isinstance(BigramEngine(), TrainEngine)
+
+
+@pytest.mark.parametrize(
+    ("loss", "steps", "calls"),
+    [
+        # One step: the old policy is the step's own forward, so no separate pass.
+        (LossConfig(), 1, [("train", 4)]),
+        (LossConfig(use_kl_loss=True, kl_loss_coef=0.1), 1, [("reference", 4), ("train", 4)]),
+        # Two steps: the old policy's log-probs are taken once, before the first.
+        (LossConfig(), 2, [("policy", 4), ("train", 2), ("train", 2)]),
+        # SFT reads neither old-policy nor reference log-probs.
+        (LossConfig(loss_type="sft_loss"), 2, [("train", 2), ("train", 2)]),
+    ],
+    ids=["one-step", "kl-loss", "two-steps", "sft"],
+)
+def test_the_step_runs_only_the_forwards_the_loss_reads(loss, steps, calls):
+    engine = BigramEngine()
+    metrics = trainer(engine, loss, global_batch_size=8 // steps).train(batch())
+    assert engine.calls == calls
+    assert len(metrics) == steps and [m["train/step"] for m in metrics] == list(range(1, steps + 1))
+
+
+def test_one_step_equals_a_float64_whole_batch_reference():
+    data = batch(masked=True)
+    engine = BigramEngine(dtype=torch.float64)
+    metrics = trainer(engine).train(dict(data))
+    # Reference: the whole global batch in one forward, float64, same loss function.
+    model = nn.Embedding(VOCAB, VOCAB, dtype=torch.float64)
+    model.load_state_dict(BigramEngine(dtype=torch.float64).model.state_dict())
+    reference = dict(data)
+    compute_advantages_and_returns(reference, LossConfig())
+    log_probs, entropy, _ = BigramEngine._log_probs(None, model, reference)
+    inputs = {
+        "log_probs": log_probs, "entropy": entropy, "old_log_probs": log_probs.detach(),
+        "advantages": torch.cat(reference["advantages"]).double(),
+        "loss_mask": torch.cat([torch.tensor(m, dtype=torch.float64) for m in data["loss_masks"]]),
+        "response_lengths": data["response_lengths"],
+    }  # fmt: skip
+    tokens = int(inputs["loss_mask"].sum())
+    loss, _ = policy_loss(inputs, LossConfig(), LossNormalizer(num_samples=8, num_tokens=tokens))
+    loss.backward()
+    # The step hands per-token columns (advantages, masks) over as float32: 1e-7 relative.
+    torch.testing.assert_close(engine.last_grad, model.weight.grad, rtol=1e-6, atol=1e-8)
+    assert metrics[0]["train/loss"] == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_the_step0_gap_counts_only_trainable_tokens():
+    data = batch(masked=True, rollout_log_prob=0.0)
+    engine = BigramEngine()
+    ours = trainer(engine).log_probs(data)
+    masks = [torch.tensor(m, dtype=torch.float64) for m in data["loss_masks"]]
+    want = sum(float((-o.double() * m).sum()) for o, m in zip(ours, masks, strict=True))
+    want /= sum(float(m.sum()) for m in masks)
+    unweighted = float(torch.cat(ours).double().abs().mean())
+    gap = trainer(engine).logprob_gap(data)
+    assert gap == pytest.approx(want, rel=1e-9)
+    assert gap != pytest.approx(unweighted, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda t: t.train(batch(6)), r"holds 6 samples .* --global-batch-size \(8\)"),
+        (lambda t: t.logprob_gap(batch()), r"--check-weight-sync-tolerance none"),
+    ],
+    ids=["batch-not-a-multiple", "gap-without-engine-log-probs"],
+)
+def test_bad_batches_are_refused_with_the_fix(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(trainer(BigramEngine()))
+
+
+def test_rollout_log_probs_are_required_where_a_setting_reads_them():
+    with pytest.raises(ValueError, match=r"--use-rollout-logprobs .* no 'rollout_log_probs'"):
+        trainer(BigramEngine(), use_rollout_logprobs=True).train(batch())
+    tis = LossConfig(off_policy_correction="tis")
+    with pytest.raises(ValueError, match=r"--off-policy-correction .* no 'rollout_log_probs'"):
+        trainer(BigramEngine(), tis).train(batch())
+    with pytest.raises(ValueError, match=r"--off-policy-correction tis with --use-rollout"):
+        trainer(BigramEngine(), tis, use_rollout_logprobs=True)
+    with pytest.raises(
+        ValueError, match=r"--use-rollout-logprobs has no effect with --loss-type sft"
+    ):
+        trainer(BigramEngine(), LossConfig(loss_type="sft_loss"), use_rollout_logprobs=True)
+
+
+def test_a_critic_estimator_is_refused_before_training():
+    ppo = LossConfig(advantage_estimator="ppo")
+    assert Algorithm.from_config(ppo).estimator.needs_critic
+    with pytest.raises(ValueError, match=r"--advantage-estimator ppo needs a critic"):
+        trainer(BigramEngine(), ppo).train(batch())
+
+
+def _dynamic_on_two_ranks(rank: int) -> dict:
+    from miles.backends.training_utils.batching.micro_batch import num_micro_batches
+
+    engine = BigramEngine(dp_group=dist.group.WORLD)
+    # At 16 tokens per micro-batch rank 0's shard alone needs 2, rank 1's 4.
+    shard = batch(4, seed=5 if rank == 0 else 1)
+    alone = num_micro_batches(shard["total_lengths"], 16)
+    metrics = trainer(engine, micro_batch_size=None, max_tokens_per_gpu=16).train(shard)
+    return {"alone": alone, "calls": engine.calls, "loss": metrics[0]["train/loss"]}
+
+
+def test_dynamic_micro_batches_come_in_the_same_number_on_every_rank():
+    results = run_distributed(_dynamic_on_two_ranks, 2)
+    assert [r["alone"] for r in results] == [2, 4]
+    assert results[0]["calls"] == results[1]["calls"] == [("train", 4)]
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"])
