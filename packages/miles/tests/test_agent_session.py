@@ -318,6 +318,7 @@ def test_a_rollout_of_agent_sessions_from_the_runs_flags(
     --agent-function-path: every sample is a session, failures are counted, nothing crashes."""
     from miles.config import load_config
     from miles.rollout.loader import load_rollout
+    from miles.rollout.train_data import rollout_metrics
     from miles.utils.tokenizers import load_tokenizer
     from tests.support.rollout_context import rollout_context
 
@@ -369,7 +370,7 @@ def test_a_rollout_of_agent_sessions_from_the_runs_flags(
     failed = [s for s in samples if s.status == SampleStatus.FAILED]
     assert [s.index % 4 for s in failed] == [3, 3]
     assert all(s.metadata["turns"] == 2 and "agent_saw" in s.metadata for s in samples)
-    assert output.metrics["rollout/turns_mean"] == 2.0
+    assert rollout_metrics(output.groups)["rollout/turns_mean"] == 2.0
     assert output.metrics["rollout/session_end/error"] == 2.0
     assert output.metrics["rollout/session_end/completed"] == 6.0
 

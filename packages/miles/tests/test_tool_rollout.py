@@ -213,6 +213,7 @@ def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engi
     from miles.rollout.data_source import DataSourceConfig
     from miles.rollout.rollout_config import RolloutConfig
     from miles.rollout.tool_rollout import ToolRollout
+    from miles.rollout.train_data import rollout_metrics
     from tests.support.rollout_context import rollout_context
 
     config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2,
@@ -237,7 +238,8 @@ def test_a_rollout_of_tool_exchanges_is_scored_and_counted(tool_model, tool_engi
     assert len(samples) == 4 and all(s.reward == 1.0 for s in samples)
     assert output.metrics == {**output.metrics, **agent_metrics(samples)}
     metrics = output.metrics
-    assert metrics["rollout/turns_mean"] == 2.0 and metrics["rollout/tool_calls_mean"] == 1.0
+    assert rollout_metrics(output.groups)["rollout/turns_mean"] == 2.0
+    assert metrics["rollout/tool_calls_mean"] == 1.0
     assert metrics["rollout/tool_failures/timeout"] == 0.0
     assert metrics["rollout/template_mismatches_mean"] == 1.0
 

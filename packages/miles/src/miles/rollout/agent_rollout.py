@@ -96,17 +96,17 @@ generate_agent_rollout = AgentRollout  # its name in earlier versions' --rollout
 
 
 def session_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Per-sample means of the sessions' turns, template mismatches and history rewrites, and
-    how many sessions ended each way."""
+    """Per-sample means of the sessions' template mismatches and history rewrites, and how many
+    sessions ended each way. (Turns are every multi-turn rollout's: `train_data.rollout_metrics`.)"""
     count = max(len(samples), 1)
     totals: Counter = Counter()
     ends: Counter = Counter()
     for sample in samples:
         totals.update({k: sample.metadata.get(k, 0)
-                       for k in ("turns", "template_mismatches", "history_rewrites")})  # fmt: skip
+                       for k in ("template_mismatches", "history_rewrites")})  # fmt: skip
         ends[sample.metadata.get("session_end")] += 1
     metrics = {f"rollout/{k}_mean": totals[k] / count
-               for k in ("turns", "template_mismatches", "history_rewrites")}  # fmt: skip
+               for k in ("template_mismatches", "history_rewrites")}  # fmt: skip
     for end in SessionEnd:
         metrics[f"rollout/session_end/{end}"] = float(ends[str(end)])
     return metrics

@@ -247,22 +247,19 @@ class _GroupLoop:
                 logger.exception("could not abort the engines' requests after a rollout failure")
 
     def _metrics(self, kept: list[list[Sample]], elapsed_s: float) -> dict[str, float]:
+        """The loop's own counts and pace, and the reward range (the divergence guard reads it).
+        The samples' statistics (mean reward, lengths, statuses) are computed once, from the
+        groups any rollout returns, by `miles.rollout.train_data.rollout_metrics`."""
         samples = [sample for group in kept for sample in group]
-        lengths = [sample.response_length for sample in samples]
         rewards = [sample.reward for sample in samples if sample.reward is not None]
-        truncated = sum(sample.status == SampleStatus.TRUNCATED for sample in samples)
         metrics = {f"rollout/{name}": float(value) for name, value in self.counts.items()}
         metrics.update({
             "rollout/submitted_groups": float(len(self.groups)),
             "rollout/leftover_groups": float(len(self.leftover)),
-            "rollout/truncated_ratio": truncated / len(samples),
-            "rollout/response_len_mean": sum(lengths) / len(lengths),
-            "rollout/response_len_max": float(max(lengths)),
             "rollout/generate_time_s": elapsed_s,
             "rollout/samples_per_s": len(samples) / max(elapsed_s, 1e-9),
         })  # fmt: skip
         if rewards:
-            metrics["rollout/reward_mean"] = sum(rewards) / len(rewards)
             metrics["rollout/reward_min"] = float(min(rewards))
             metrics["rollout/reward_max"] = float(max(rewards))
         return metrics

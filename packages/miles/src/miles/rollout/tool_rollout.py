@@ -70,14 +70,14 @@ generate_tool_rollout = ToolRollout  # its name in earlier versions' --rollout-f
 
 
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Per-sample means of the exchanges' tool calls and template mismatches, and the failed
+    calls by kind. (Turns are every multi-turn rollout's: `train_data.rollout_metrics`.)"""
     count = max(len(samples), 1)
     totals = Counter()
     for sample in samples:
-        totals.update(
-            {k: sample.metadata.get(k, 0) for k in ("turns", "tool_calls", "template_mismatches")}
-        )
+        totals.update({k: sample.metadata.get(k, 0) for k in ("tool_calls", "template_mismatches")})
         totals.update(sample.metadata.get("tool_failures", {}))
-    keys = ("turns", "tool_calls", "template_mismatches")
+    keys = ("tool_calls", "template_mismatches")
     metrics = {f"rollout/{k}_mean": totals[k] / count for k in keys}
     for kind in FAILURES:
         metrics[f"rollout/tool_failures/{kind.replace(' ', '_')}"] = float(totals[kind])
