@@ -23,14 +23,26 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import aiohttp
 
 from miles.backends.sglang_utils import fast_json
+from miles.backends.sglang_utils.engine_error import EngineError, HttpAnswer, server_message
 
 if TYPE_CHECKING:  # only named in annotations: the client stays importable without loading torch
     import torch
+
+__all__ = [
+    "PAUSE_MODES",
+    "EngineClient",
+    "EngineError",
+    "EngineTimeouts",
+    "HttpAnswer",
+    "PauseMode",
+    "SyncEngineClient",
+    "server_message",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +52,8 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 # (connection errors, timeouts of the connect itself, a broken body). A read timeout is not among
 # them: the server is alive but slow, and retrying would only multiply the wait.
 _RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-_MAX_MESSAGE_CHARS = 2000
 _JSON_BODY = {"Content-Type": "application/json"}
 T = TypeVar("T")
-
-
-class HttpAnswer(Protocol):
-    """What error reporting reads of an HTTP answer: an httpx.Response, or an `Answer`."""
-
-    @property
-    def status_code(self) -> int: ...
-
-    @property
-    def reason_phrase(self) -> str: ...
-
-    @property
-    def text(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -81,61 +79,6 @@ class Answer:
     @classmethod
     async def read(cls, response: aiohttp.ClientResponse) -> Answer:
         return cls(response.status, response.reason or "", response.headers, await response.read())
-
-
-class EngineError(RuntimeError):
-    """An HTTP call to an engine (or router) failed: its URL, endpoint, status and message."""
-
-    def __init__(
-        self,
-        url: str,
-        endpoint: str,
-        status: int | None,
-        message: str,
-        hint: str = "",
-        body: str | None = None,
-    ):
-        self.url = url
-        self.endpoint = endpoint
-        self.status = status
-        self.server_message = message
-        self.body = body
-        """The raw answer, when there was one."""
-        what = f"HTTP {status}" if status is not None else "no HTTP answer"
-        text = f"{endpoint} at {url} failed ({what}): {message}"
-        super().__init__(f"{text}; {hint}" if hint else text)
-
-    @classmethod
-    def from_response(cls, url: str, endpoint: str, response: HttpAnswer) -> EngineError:
-        status = response.status_code
-        hint = (
-            "the engine rejected the request; check its fields against SGLang's API"
-            if status < 500
-            else "the engine failed while serving it; see the engine's log"
-        )
-        return cls(url, endpoint, status, server_message(response), hint, body=response.text)
-
-
-def server_message(response: HttpAnswer) -> str:
-    """The server's own words: SGLang answers `{"error": {"message"}}`, `{"message"}` or text."""
-    text = response.text.strip()
-    try:
-        body = json.loads(text) if text else None
-    except ValueError:
-        body = None
-    message: Any = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict):
-            message = error.get("message")
-        elif error is not None:
-            message = error
-        # FastAPI's own errors (404, HTTPException) carry `detail`.
-        message = message or body.get("message") or body.get("detail")
-    if message is None:
-        message = text or response.reason_phrase or "(empty body)"
-    message = message if isinstance(message, str) else json.dumps(message)
-    return message[:_MAX_MESSAGE_CHARS]
 
 
 KEEPALIVE_EXPIRY_S = 2.0
