@@ -29,6 +29,7 @@ import aiohttp
 
 from miles.backends.sglang_utils import fast_json
 from miles.backends.sglang_utils.engine_error import EngineError, HttpAnswer, server_message
+from miles.backends.sglang_utils.sse import sse_data
 
 if TYPE_CHECKING:  # only named in annotations: the client stays importable without loading torch
     import torch
@@ -356,7 +357,7 @@ class EngineClient:
                     if not response.ok:
                         answer = await Answer.read(response)
                         raise EngineError.from_response(self.url, "/generate", answer)
-                    async for chunk in _sse_data(response):
+                    async for chunk in sse_data(response):
                         if isinstance(chunk, dict) and "error" in chunk:
                             # SGLang reports a failure mid-stream as `data: {"error": {"message"}}`.
                             error = chunk["error"]
@@ -558,30 +559,6 @@ def _json_or_none(text: str) -> Any:
         return json.loads(text) if text.strip() else None
     except ValueError:
         return None
-
-
-async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
-    """The JSON of each `data:` line of a server-sent-event stream, until `data: [DONE]`."""
-    async for line in _lines(response):
-        if not line.startswith(b"data:"):
-            continue  # blank separators, comments and other SSE fields
-        data = line[len(b"data:") :].strip()
-        if data == b"[DONE]":
-            return
-        yield fast_json.loads(data)
-
-
-async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body's lines, however long: a chunk of a long answer with its log-probs can pass
-    the line bound of aiohttp's own line reader (512 KiB)."""
-    pending = b""
-    async for data in response.content.iter_any():
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r")
-    if pending:
-        yield pending
 
 
 def _sync(name: str) -> Callable[..., Any]:
