@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 
 import httpx
 
-from miles.backends.sglang_utils.client import EngineError
+from miles.backends.sglang_utils.engine_error import EngineError
 from miles.backends.sglang_utils.server_process import ServerProcess, free_port
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from miles.backends.sglang_utils.client import server_message
+from miles.backends.sglang_utils.engine_error import server_message
 
 logger = logging.getLogger(__name__)
 

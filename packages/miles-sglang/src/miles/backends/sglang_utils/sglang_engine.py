@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.backends.sglang_utils.client import SyncEngineClient
 from miles.backends.sglang_utils.router import add_worker, remove_worker
 from miles.backends.sglang_utils.server_process import ServerProcess
 from miles.backends.sglang_utils.sglang_flags import SGLANG_FLAG_PREFIX, SGLangFlagValue
+from miles.backends.sglang_utils.sync_client import SyncEngineClient
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.backends.sglang_utils.client import EngineTimeouts
+from miles.backends.sglang_utils.engine_transport import EngineTimeouts
 from miles.backends.sglang_utils.weight_sync.distributed_transport import (
     DISTRIBUTED_LOAD_FORMATS,
     FLATTENED_BUCKET,
@@ -71,7 +71,7 @@ def make_weight_updater(
     `master_address` over the process group's backend, whose waits `timeout_s` bounds. `only`:
     feed just these of the engines (restarted ones), each from the rank that feeds it in the full
     set. `api_key`: the engines' admin key; `http_timeouts`: the bounds of the engine calls."""
-    from miles.backends.sglang_utils.client import SyncEngineClient
+    from miles.backends.sglang_utils.sync_client import SyncEngineClient
 
     urls = engine_urls_for_rank(engine_urls, rank=rank, world_size=world_size, colocate=colocate)
     if only is not None:
