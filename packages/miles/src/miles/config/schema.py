@@ -30,7 +30,7 @@ from miles.config.groups import (
 )
 from miles.config.options import Option, dataclass_options
 from miles.config.trainer_args import TrainerArgs
-from miles.ray.placement_plan import plan_for_config
+from miles.ray.placement_plan import plan_for_run
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rewards import RewardConfig
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
@@ -387,7 +387,7 @@ def _check_across_groups(config: MilesConfig) -> None:
         cluster.rollout_num_gpus = (
             cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine
         )
-    plan_for_config(config, use_gpus=False)
+    plan_for_run(cluster, config.distillation, use_gpus=False)
     _check_async_modes(config)
     _check_reference_model(config)
     _check_distillation(config)
