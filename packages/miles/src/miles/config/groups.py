@@ -3,7 +3,7 @@
 Groups owned by a component live next to it (data: `miles.rollout.data_source`, rollout:
 `miles.rollout.generate`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
 and the backend's group comes from its wheel. Each group checks its own fields; checks across groups
-live in `miles.config.schema`.
+live in `miles.config.cross_checks`.
 """
 
 from __future__ import annotations

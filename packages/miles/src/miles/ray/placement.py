@@ -25,7 +25,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.config.miles_config import MilesConfig
 
 __all__ = [
     "Placement",

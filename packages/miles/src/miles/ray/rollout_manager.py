@@ -32,7 +32,7 @@ from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.sglang_utils.server_process import file_tail
 from miles.backends.training_utils.import_path import load_function
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE

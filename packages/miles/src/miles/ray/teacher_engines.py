@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.rollout.engine_pool import EnginePool

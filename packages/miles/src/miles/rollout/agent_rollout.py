@@ -39,7 +39,7 @@ from miles.rollout.session_server import SessionServer
 from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.config.miles_config import MilesConfig
 
 logger = logging.getLogger(__name__)
 

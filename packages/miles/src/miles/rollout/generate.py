@@ -33,7 +33,7 @@ from miles.rollout.sample_generation import (
 )
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.config.miles_config import MilesConfig
 
 __all__ = [
     "DataSource",

@@ -134,7 +134,7 @@ class RolloutConfig:
     def _check_filter_flags(self) -> None:
         # Over-sampling only acts on groups a filter rejects; without a filter it would be a
         # silent no-op (architecture.md: "Design rules"). --partial-rollout is checked with
-        # --fully-async, where it has a second use (`miles.config.schema`).
+        # --fully-async, where it has a second use (`miles.config.cross_checks`).
         if self.dynamic_sampling_filter_path is not None:
             check_filter_path(self.dynamic_sampling_filter_path)
         elif self.over_sampling_batch_size is not None:

@@ -39,7 +39,7 @@ from miles.rollout.trajectory import Trajectory
 from miles.utils.tokenizers import load_tokenizer
 
 if TYPE_CHECKING:
-    from miles.config.schema import MilesConfig
+    from miles.config.miles_config import MilesConfig
 
 FAILURES = ("unknown tool", "bad arguments", "raised", "timeout")
 
