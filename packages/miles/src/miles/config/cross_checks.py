@@ -230,12 +230,6 @@ def check_fault_tolerance(engine: EngineConfig, cluster: ClusterConfig) -> None:
         )
 
 
-def check_shared_n_samples(data: DataSourceConfig, rollout: RolloutConfig) -> None:
-    """The data source and the rollout both declare n_samples_per_prompt: one shared option."""
-    if data.n_samples_per_prompt != rollout.n_samples_per_prompt:
-        raise AssertionError("n_samples_per_prompt is one option shared by data and rollout")
-
-
 def check_labels(reward: RewardConfig, data: DataSourceConfig) -> None:
     """A built-in reward compares answers with the label column."""
     if reward.rm_type in BUILTIN_RM_TYPES and data.label_key is None:

@@ -89,7 +89,6 @@ class MilesConfig:
         cross_checks.check_distillation(self.distillation, self.algorithm, checkpoint, training)
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster)
         cross_checks.check_fault_tolerance(self.engine, cluster)
-        cross_checks.check_shared_n_samples(self.data, rollout)
         cross_checks.check_labels(self.reward, self.data)
         cross_checks.check_parallel_sizes(
             cluster, training, model_parallel_size=self.model_parallel_size

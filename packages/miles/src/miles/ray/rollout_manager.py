@@ -175,7 +175,11 @@ class RolloutManager:
         dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
         return _Prompts(
             dataset=dataset,
-            source=RolloutDataSource(dataset, self.config.data),
+            source=RolloutDataSource(
+                dataset,
+                self.config.data,
+                n_samples_per_prompt=self.config.rollout.n_samples_per_prompt,
+            ),
             eval_sources=self._eval_sources(tokenizer),
         )
 
@@ -200,7 +204,6 @@ class RolloutManager:
                     **vars(self.config.data),
                     "prompt_data": path,
                     "rollout_shuffle": False,
-                    "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
                 }
             )
             dataset = PromptDataset(data_config, tokenizer, **self._row_checks())
@@ -508,7 +511,11 @@ class RolloutManager:
         generate_fn = await sample_generator(self.rollout_function, self.config)
         for name, (dataset, data_config) in self.eval_sources.items():
             # A fresh source per evaluation: every prompt once, in file order.
-            source = RolloutDataSource(dataset, data_config)
+            source = RolloutDataSource(
+                dataset,
+                data_config,
+                n_samples_per_prompt=self.config.eval.n_samples_per_eval_prompt,
+            )
             eval_config = self._eval_rollout_config(len(dataset))
             try:
                 output = await generate_groups(

@@ -20,7 +20,8 @@ class RolloutConfig:
     rollout_batch_size: int
     """--rollout-batch-size: prompts (groups) per rollout kept for training."""
     n_samples_per_prompt: int = 1
-    """--n-samples-per-prompt: answers sampled per prompt (the group size)."""
+    """--n-samples-per-prompt: answers sampled per prompt (the group size, e.g. for GRPO's group
+    baseline); the data source serves each prompt as a group of this many samples."""
     over_sampling_batch_size: int | None = None
     """--over-sampling-batch-size: prompts submitted per round when a dynamic filter is set
     (>= --rollout-batch-size); None means --rollout-batch-size."""
