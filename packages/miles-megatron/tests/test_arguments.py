@@ -47,7 +47,7 @@ def test_defaults_are_valid_and_match_the_fsdp_backend_where_names_are_shared():
 
 def test_every_field_is_documented_and_merges_with_the_core_settings():
     from miles.config.options import field_docs
-    from miles.config.schema import CORE_GROUPS, Schema
+    from miles.config.registry import CORE_GROUPS, Schema
 
     docs = field_docs(MegatronArgs)
     undocumented = [f.name for f in dataclasses.fields(MegatronArgs) if not docs.get(f.name)]

@@ -31,7 +31,7 @@ def test_defaults_derive_one_step_per_rollout():
     config = load("--n-samples-per-prompt", "8")
     assert config.training.global_batch_size == 32
     assert config.training.num_steps_per_rollout == 1
-    assert config.data.n_samples_per_prompt == config.rollout.n_samples_per_prompt == 8
+    assert config.rollout.n_samples_per_prompt == 8
 
 
 def test_global_batch_size_derives_steps_and_steps_derive_global_batch_size():

@@ -54,8 +54,9 @@ def sized_datasets(tmp_path_factory, tokenizer):
     return {n: load(write_jsonl(folder / f"{n}.jsonl", numbered_rows(n)), tokenizer) for n in SIZES}
 
 
-def source_for(dataset, **overrides):
-    return RolloutDataSource(dataset, dataclasses.replace(dataset.config, **overrides))
+def source_for(dataset, n_samples_per_prompt=1, **overrides):
+    config = dataclasses.replace(dataset.config, **overrides)
+    return RolloutDataSource(dataset, config, n_samples_per_prompt=n_samples_per_prompt)
 
 
 def served_prompts(groups):
@@ -163,8 +164,8 @@ def test_rows_keep_their_messages_and_tools_for_multi_turn_rollouts(tmp_path, to
         "add"
     ]
     config = DataSourceConfig(prompt_data=str(path), apply_chat_template=True, tool_key="tools",
-                              n_samples_per_prompt=2, rollout_shuffle=False)  # fmt: skip
-    (first, second) = RolloutDataSource(dataset, config).get_samples(2)
+                              rollout_shuffle=False)  # fmt: skip
+    (first, second) = RolloutDataSource(dataset, config, n_samples_per_prompt=2).get_samples(2)
     assert [s.metadata["tools"] for s in first] == [["add"], ["add"]]
     assert (
         second[0].messages == [{"role": "user", "content": "hi"}]
@@ -310,7 +311,7 @@ def test_bad_paths_and_settings_are_refused_naming_the_flag(tmp_path, tokenizer)
     with pytest.raises(FileNotFoundError, match="--prompt-data"):
         load(tmp_path / "absent.jsonl", tokenizer)
     with pytest.raises(ValueError, match="--n-samples-per-prompt"):
-        DataSourceConfig(prompt_data="x.jsonl", n_samples_per_prompt=0)
+        source_for(load(write_jsonl(tmp_path / "one.jsonl", numbered_rows(1)), tokenizer), 0)
     with pytest.raises(ValueError, match="--rollout-max-prompt-len"):
         DataSourceConfig(prompt_data="x.jsonl", rollout_max_prompt_len=0)
     empty = tmp_path / "empty.jsonl"

@@ -37,7 +37,7 @@ def prompts(tiny_checkpoint, tmp_path_factory) -> PromptDataset:
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"input": f"Q{i}: say hi"}) + "\n" for i in range(64)))
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    config = DataSourceConfig(prompt_data=str(path), label_key=None, n_samples_per_prompt=2)
+    config = DataSourceConfig(prompt_data=str(path), label_key=None)
     return PromptDataset(config, tokenizer, labels_required=False, context_length=None)
 
 
@@ -62,7 +62,7 @@ async def push_new_version(url: str, checkpoint: Path) -> int:
 
 def make_buffer(pool, prompts, config: FullyAsyncConfig, version: int, *, max_len: int,
                 generate_fn=None) -> tuple[FullyAsyncRollouts, RolloutDataSource]:  # fmt: skip
-    source = RolloutDataSource(prompts, prompts.config)
+    source = RolloutDataSource(prompts, prompts.config, n_samples_per_prompt=2)
     rollout = RolloutConfig(
         rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=max_len,
         rollout_concurrency=8,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config
-from miles.ray.placement_plan import plan_for_config, plan_placement
+from miles.ray.placement import plan_for_config, plan_placement
 from miles.ray.run_spec import TrainRunSpec
 
 BASE = ["--prompt-data", "train.jsonl", "--rollout-batch-size", "4"]

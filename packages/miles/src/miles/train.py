@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.run import Run
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ config.training.global_batch_size  # 32: derived (one optimizer step per rollout
 """
 
 from miles.config.loader import build_parser, load_config, read_yaml
-from miles.config.schema import CORE_GROUPS, MilesConfig, Schema
+from miles.config.miles_config import MilesConfig
+from miles.config.registry import CORE_GROUPS, Schema
 
 __all__ = ["CORE_GROUPS", "MilesConfig", "Schema", "build_parser", "load_config", "read_yaml"]

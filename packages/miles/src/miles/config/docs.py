@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from miles.config.options import Option
-from miles.config.schema import BACKEND_GROUP, Schema
+from miles.config.registry import BACKEND_GROUP, Schema
 
 BEGIN = "<!-- BEGIN GENERATED CONFIG REFERENCE (python -m miles.config.docs --write) -->"
 END = "<!-- END GENERATED CONFIG REFERENCE -->"

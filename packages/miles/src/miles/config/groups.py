@@ -3,7 +3,7 @@
 Groups owned by a component live next to it (data: `miles.rollout.data_source`, rollout:
 `miles.rollout.generate`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
 and the backend's group comes from its wheel. Each group checks its own fields; checks across groups
-live in `miles.config.schema`.
+live in `miles.config.cross_checks`.
 """
 
 from __future__ import annotations
@@ -159,8 +159,6 @@ class TrainingConfig:
     """Rollouts (RL iterations) to run; or give --num-epoch."""
     num_epoch: int | None = None
     """Passes over --prompt-data; sets --num-rollout from the dataset size."""
-    seed: int = 1234
-    """Seed of the trainer's and the rollout's random number generators."""
     async_train: bool = False
     """Overlap generation of the next rollout with training (one step off-policy); needs
     --off-policy-correction and separate devices (no --colocate). Also spelled --async."""

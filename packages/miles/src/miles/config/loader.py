@@ -17,8 +17,9 @@ import yaml
 
 from miles.backends.sglang_utils.sglang_flags import sglang_args_from_cli
 from miles.config.groups import ClusterConfig
+from miles.config.miles_config import MilesConfig
 from miles.config.options import Option, convert
-from miles.config.schema import BACKEND_GROUP, CORE_GROUPS, MilesConfig, Schema
+from miles.config.registry import BACKEND_GROUP, CORE_GROUPS, Schema
 
 DEFAULT_BACKEND = ClusterConfig.train_backend
 

@@ -3,7 +3,7 @@
 Every group of the schema is a plain `@dataclass(kw_only=True)` owned by the component it configures
 (the data source, the reward hub, the loss); this module turns its fields into `Option`s and converts
 YAML or command-line values to the field's type. A field name shared by two groups is one option
-whose value goes to both (e.g. `n_samples_per_prompt` configures the data source and the rollout).
+whose value goes to both (e.g. `rollout_seed` seeds the data source's order and the rollout's sampling).
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class TrainerArgs:
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as the old policy instead of recomputing them in the trainer."""
     seed: int = 1234
-    """Seed of model initialisation and every random number generator of the trainer."""
+    """Seed of model initialisation and every random number generator of the trainer; the
+    rollout engines' samplers are seeded from it too (plus each engine's index)."""
 
     # Smallest valid value of numeric fields; a subclass extends it with its own.
     MINIMUMS: typing.ClassVar[dict[str, float]] = {

@@ -20,7 +20,7 @@ import ray
 from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.sglang_utils.server_process import file_tail
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
@@ -60,6 +60,7 @@ def engine_launch_spec(
 ) -> dict:
     """EngineLaunchSpec fields of engine `index` of kind `engine` ("sglang" or "reference");
     `visible_devices`: the GPU ids of its bundles (`Placement.engine_devices`)."""
+    assert config.backend is not None, "the schema adds the chosen backend's group (--seed)"
     extra_args = dict(config.engine.sglang_extra_args)
     if engine == "sglang" and config.cluster.colocate:
         # Without the memory saver, SGLang answers /release_memory_occupation with success and
@@ -71,7 +72,7 @@ def engine_launch_spec(
         "dtype": config.engine.engine_dtype,
         "max_running_requests": config.engine.engine_max_running_requests,
         "mem_fraction_static": config.engine.engine_mem_fraction_static,
-        "random_seed": config.training.seed + index,
+        "random_seed": config.backend.seed + index,
         "startup_timeout_s": config.engine.engine_startup_timeout_s,
         "log_path": str(log_dir / f"engine_{index}.log"),
         "extra_args": extra_args,

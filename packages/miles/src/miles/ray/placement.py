@@ -11,17 +11,21 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from miles.ray.placement_plan import (
     FEWER_OR_MORE,
     PlacementPlan,
     plan_for_cluster,
-    plan_for_config,
+    plan_for_run,
     plan_placement,
 )
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+if TYPE_CHECKING:
+    from miles.config.miles_config import MilesConfig
 
 __all__ = [
     "Placement",
@@ -29,6 +33,7 @@ __all__ = [
     "create_placement",
     "plan_for_cluster",
     "plan_for_config",
+    "plan_for_run",
     "plan_placement",
     "remove_placement",
 ]
@@ -86,6 +91,11 @@ class Placement:
             placement_group=self.group,
             placement_group_bundle_index=self.bundle_indices[logical],
         )
+
+
+def plan_for_config(config: MilesConfig, *, use_gpus: bool) -> PlacementPlan:
+    """The run's plan (`plan_for_run`) from its whole configuration."""
+    return plan_for_run(config.cluster, config.distillation, use_gpus=use_gpus)
 
 
 def create_placement(

@@ -1,7 +1,8 @@
 """The placement plan: which bundle each train rank and engine uses, a pure function of the flags.
 
 Kept apart from `placement` (which reserves the bundles through Ray) so that reading and checking
-the configuration never imports Ray.
+the configuration never imports Ray. It reads the typed groups it is given (cluster, distillation),
+never the whole `MilesConfig`: the configuration's checks call it, so it must not depend on them.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.config.groups import ClusterConfig
-    from miles.config.schema import MilesConfig
 
 COLOCATED_TRAIN_SHARE = 0.6
 """Share of a colocated bundle (its GPU and CPUs) the train actor takes."""
@@ -138,12 +139,13 @@ def plan_placement(
     )
 
 
-def plan_for_config(config: MilesConfig, *, use_gpus: bool) -> PlacementPlan:
+def plan_for_run(
+    cluster: ClusterConfig, distillation: DistillationConfig, *, use_gpus: bool
+) -> PlacementPlan:
     """The run's plan: the cluster's bundles, plus the teacher engines' with --use-opd."""
-    distillation = config.distillation
     teachers = distillation.opd_teacher_num_engines if distillation.use_opd else 0
     return plan_for_cluster(
-        config.cluster,
+        cluster,
         use_gpus=use_gpus,
         teacher_engines=teachers,
         teacher_gpus_per_engine=distillation.opd_teacher_num_gpus_per_engine,

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 from miles.backends.sglang_utils.client import EngineError
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement
 from miles.rollout.context import RequestSlots, RolloutContext
@@ -101,7 +101,11 @@ class RolloutManager:
         return _Prompts(
             tokenizer=tokenizer,
             dataset=dataset,
-            source=RolloutDataSource(dataset, self.config.data),
+            source=RolloutDataSource(
+                dataset,
+                self.config.data,
+                n_samples_per_prompt=self.config.rollout.n_samples_per_prompt,
+            ),
             eval_sources=self._eval_sources(tokenizer),
         )
 
@@ -126,7 +130,6 @@ class RolloutManager:
                     **vars(self.config.data),
                     "prompt_data": path,
                     "rollout_shuffle": False,
-                    "n_samples_per_prompt": self.config.eval.n_samples_per_eval_prompt,
                 }
             )
             dataset = PromptDataset(data_config, tokenizer, **self._row_checks())
@@ -294,7 +297,11 @@ class RolloutManager:
         rollout = self.rollout.for_evaluation()
         for name, (dataset, data_config) in self.eval_sources.items():
             # A fresh source per evaluation: every prompt once, in file order.
-            source = RolloutDataSource(dataset, data_config)
+            source = RolloutDataSource(
+                dataset,
+                data_config,
+                n_samples_per_prompt=self.config.eval.n_samples_per_eval_prompt,
+            )
             eval_config = self._eval_rollout_config(len(dataset))
             ctx = self._context(source, eval_config, data_config, self.reward_hub.score_groups)
             try:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 from miles.backends.training_utils.algorithms.registry import loss_spec
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.cluster import init_ray
 from miles.ray.placement import Placement, create_placement, plan_for_config, remove_placement
 from miles.ray.rollout_manager import RolloutManager

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
-    from miles.config.schema import MilesConfig
+    from miles.config.miles_config import MilesConfig
 
 
 @dataclass(frozen=True, kw_only=True)

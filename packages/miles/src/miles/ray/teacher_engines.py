@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from miles.config.schema import MilesConfig
+from miles.config.miles_config import MilesConfig
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.rollout.engine_pool import EnginePool
@@ -37,7 +37,8 @@ class TeacherEngines:
     async def start(self, engine: str, spec: dict[str, Any], *, has_gpus: bool) -> list[str]:
         """Launch every teacher (`engine` as the student's, `spec` the student's engine 0 launch
         spec, adapted) and wait until all answer."""
-        distillation = self.config.distillation
+        distillation, backend = self.config.distillation, self.config.backend
+        assert backend is not None, "the schema adds the chosen backend's group (--seed)"
         num = len(self.placement.plan.teacher_bundles) if self.placement else 1
         log_dir = Path(spec["log_path"]).parent
         starts = []
@@ -46,7 +47,7 @@ class TeacherEngines:
                 **spec,
                 "model_path": distillation.opd_teacher_checkpoint,
                 "num_devices": distillation.opd_teacher_num_gpus_per_engine,
-                "random_seed": self.config.training.seed + 1000 + i,
+                "random_seed": backend.seed + 1000 + i,
                 "log_path": str(log_dir / f"teacher_{i}.log"),
                 "visible_devices": self.placement.teacher_devices(i) if self.placement else None,
                 "admin_api_key": self.admin_key,

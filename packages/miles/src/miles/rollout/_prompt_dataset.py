@@ -61,8 +61,6 @@ class DataSourceConfig:
     """Serve each epoch in a fresh seeded random order; False serves the file order every epoch."""
     rollout_seed: int = 42
     """Epoch `e` is shuffled with seed `rollout_seed + e`, so a resumed run sees the same order."""
-    n_samples_per_prompt: int = 1
-    """How many samples each prompt gets (one group, e.g. for GRPO's group baseline)."""
 
     def __post_init__(self) -> None:
         suffix = Path(self.prompt_data).suffix.lower()
@@ -77,10 +75,6 @@ class DataSourceConfig:
             raise ValueError(
                 f"--rollout-max-prompt-len ({self.rollout_max_prompt_len}) must be at least 1; "
                 "leave it unset to keep every prompt"
-            )
-        if self.n_samples_per_prompt < 1:
-            raise ValueError(
-                f"--n-samples-per-prompt ({self.n_samples_per_prompt}) must be at least 1"
             )
         check_template_settings(
             apply_chat_template=self.apply_chat_template,

@@ -54,11 +54,17 @@ class RolloutDataSource:
     `group_index` and `index` count up over the whole run, so they stay unique across rollouts.
     """
 
-    def __init__(self, dataset: PromptDataset, config: DataSourceConfig) -> None:
+    def __init__(
+        self, dataset: PromptDataset, config: DataSourceConfig, *, n_samples_per_prompt: int
+    ) -> None:
+        """`n_samples_per_prompt`: the size of each group, the rollout's --n-samples-per-prompt."""
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"--n-samples-per-prompt ({n_samples_per_prompt}) must be at least 1")
         if len(dataset) == 0:
             raise ValueError(f"--prompt-data {config.prompt_data} holds no prompts to serve")
         self._dataset = dataset
         self._config = config
+        self._n_samples_per_prompt = n_samples_per_prompt
         self._epoch = 0
         self._position = 0
         self._next_group_index = 0
@@ -116,7 +122,7 @@ class RolloutDataSource:
         metadata = record.metadata
         if record.tools is not None:  # --tool-key: what this row's rollout may call
             metadata = {**metadata, "tools": record.tools}
-        for _ in range(self._config.n_samples_per_prompt):
+        for _ in range(self._n_samples_per_prompt):
             group.append(
                 Sample(
                     index=self._next_sample_index,

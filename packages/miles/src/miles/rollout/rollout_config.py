@@ -22,7 +22,8 @@ class RolloutConfig:
     rollout_batch_size: int
     """--rollout-batch-size: prompts (groups) per rollout kept for training."""
     n_samples_per_prompt: int = 1
-    """--n-samples-per-prompt: answers sampled per prompt (the group size)."""
+    """--n-samples-per-prompt: answers sampled per prompt (the group size, e.g. for GRPO's group
+    baseline); the data source serves each prompt as a group of this many samples."""
     over_sampling_batch_size: int | None = None
     """--over-sampling-batch-size: prompts submitted per round when a dynamic filter is set
     (>= --rollout-batch-size); None means --rollout-batch-size."""
@@ -124,7 +125,7 @@ class RolloutConfig:
     def _check_filter_flags(self) -> None:
         # Over-sampling only acts on groups a filter rejects; without a filter it would be a
         # silent no-op (architecture.md: "Design rules"). --partial-rollout is checked with
-        # --fully-async, where it has a second use (`miles.config.schema`).
+        # --fully-async, where it has a second use (`miles.config.cross_checks`).
         if self.dynamic_sampling_filter_path is not None:
             check_filter_path(self.dynamic_sampling_filter_path)
         elif self.over_sampling_batch_size is not None:
