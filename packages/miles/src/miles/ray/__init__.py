@@ -11,7 +11,7 @@ Example, a backend's actor class (the RL step and the life cycle are `TrainRayAc
             return MyEngine(backend, spec, device=device, with_ref=with_ref)
 
 Nothing here imports Ray or a backend: the train loop wraps these classes in Ray actors. The
-re-exports resolve on first use, so the configuration can read `miles.ray.placement_plan`
+re-exports resolve on first use, so the configuration can read `miles.config.placement_plan`
 without importing the train-actor machinery.
 """
 

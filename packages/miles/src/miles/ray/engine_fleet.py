@@ -21,9 +21,9 @@ from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.sglang_utils.server_process import file_tail
 from miles.config.miles_config import MilesConfig
+from miles.config.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
-from miles.ray.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.ray.teacher_engines import TeacherEngines
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.engine_supervisor import EngineSupervisor, FaultToleranceConfig

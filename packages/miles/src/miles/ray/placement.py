@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
-from miles.ray.placement_plan import (
+from miles.config.placement_plan import (
     FEWER_OR_MORE,
     PlacementPlan,
     plan_for_cluster,

@@ -20,9 +20,9 @@ from typing import Any
 import ray
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.backends.training_utils.infra.import_path import load_object
+from miles.config.placement_plan import COLOCATED_TRAIN_SHARE
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
-from miles.ray.placement_plan import COLOCATED_TRAIN_SHARE
 from miles.ray.run_spec import TrainRunSpec
 from miles.utils.failures import describe
 
