@@ -77,7 +77,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, checkpoint: Path, opts: di
     from miles.backends.fsdp_utils.arguments import FSDPArgs
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
     from miles.backends.training_utils.batching.train_batches import get_rollout_data
-    from miles.ray import TrainRunSpec
+    from miles.train_backend import TrainRunSpec
 
     torch.set_num_threads(1)
     os.environ["MILES_DEVICE"] = "cpu"

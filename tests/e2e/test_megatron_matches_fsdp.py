@@ -46,7 +46,7 @@ def make_batch() -> dict[str, list]:
 
 
 def run_spec(checkpoint: Path):
-    from miles.ray import TrainRunSpec
+    from miles.train_backend import TrainRunSpec
 
     return TrainRunSpec(
         hf_checkpoint=str(checkpoint), rollout_temperature=TEMPERATURE,

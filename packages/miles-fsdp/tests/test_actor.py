@@ -46,7 +46,7 @@ def make_args(checkpoint: Path, *, loss: dict | None = None, **fsdp: object) -> 
     """`fsdp` overrides FSDPArgs fields, `loss` LossConfig fields."""
     from miles.backends.fsdp_utils.arguments import FSDPArgs
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
-    from miles.ray import TrainRunSpec
+    from miles.train_backend import TrainRunSpec
 
     settings = {"lr": 1e-3, "clip_grad": 0.05, "micro_batch_size": 1, "seed": 0}
     settings.update(fsdp)

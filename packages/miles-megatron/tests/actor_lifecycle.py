@@ -34,7 +34,7 @@ def make_args(checkpoint: Path, save_dir: Path, **megatron: object) -> InitArgs:
     """`megatron` overrides MegatronArgs fields."""
     from miles.backends.megatron_utils.arguments import MegatronArgs
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
-    from miles.ray import TrainRunSpec
+    from miles.train_backend import TrainRunSpec
 
     settings = {"lr": 1e-3, "seed": 0, **megatron}
     spec = TrainRunSpec(

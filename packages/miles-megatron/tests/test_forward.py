@@ -43,7 +43,7 @@ def test_context_parallel_padding_rounds_the_width_up_to_twice_the_ranks():
 
 def test_the_actor_refuses_a_machine_without_gpus(tmp_path):
     from miles.backends.megatron_utils.actor import MegatronTrainRayActor
-    from miles.ray import TrainRunSpec
+    from miles.train_backend import TrainRunSpec
 
     actor = MegatronTrainRayActor(0, 1, "127.0.0.1", 29500)
     spec = TrainRunSpec(

@@ -123,7 +123,7 @@ def test_backend_settings_come_from_the_backend_wheel():
 
 
 def test_the_train_ranks_get_a_typed_run_spec():
-    from miles.ray.run_spec import TrainRunSpec
+    from miles.train_backend.run_spec import TrainRunSpec
 
     config = load("--num-steps-per-rollout", "2")
     spec = TrainRunSpec.from_config(config, num_rollout=3)
@@ -153,7 +153,7 @@ def test_reading_the_config_and_train_help_import_neither_ray_nor_a_backends_act
         "from miles.cli.main import main",
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):",
         "    main(['train', '--help'])",
-        "heavy = ('miles.ray.train_actor', 'miles.backends.fsdp_utils.actor',",
+        "heavy = ('miles.train_backend.train_actor', 'miles.backends.fsdp_utils.actor',",
         "         'miles.backends.fsdp_utils.engine', 'torch', 'transformers', 'datasets', 'sympy')",
         "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m in heavy]",
         "assert not bad, bad",

@@ -11,7 +11,7 @@ import pytest
 
 from miles.config import load_config
 from miles.ray.placement import plan_for_config, plan_placement
-from miles.ray.run_spec import TrainRunSpec
+from miles.train_backend.run_spec import TrainRunSpec
 
 BASE = ["--prompt-data", "train.jsonl", "--rollout-batch-size", "4"]
 

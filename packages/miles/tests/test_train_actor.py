@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from miles.ray import TrainRayActor
+from miles.train_backend import TrainRayActor
 
 
 class _EchoActor(TrainRayActor):
@@ -146,7 +146,7 @@ def test_core_train_actor_imports_neither_ray_nor_a_backend():
     import subprocess
 
     code = (
-        "import sys, miles.ray; "
+        "import sys, miles.train_backend.train_actor; "
         "bad = [m for m in sys.modules if m == 'ray' or m.startswith(('ray.', "
         "'miles.backends.fsdp_utils', 'miles.backends.megatron_utils'))]; "
         "assert not bad, bad"

@@ -11,10 +11,10 @@ import time
 import pytest
 import ray
 
-from miles.ray import TrainRayActor
 from miles.ray.cluster import init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
 from miles.ray.train_group import RayTrainGroup, TrainRankError
+from miles.train_backend import TrainRayActor
 from miles.utils.failures import describe, write_failure_log
 
 

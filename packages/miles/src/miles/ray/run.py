@@ -28,9 +28,9 @@ from miles.ray.rollout_source import (
     RolloutSource,
     save_rollout,
 )
-from miles.ray.run_spec import TrainRunSpec
 from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
+from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.bytecode import uncached_bytecode_warning
 from miles.utils.console import ConsoleView
 from miles.utils.divergence import DivergenceGuard, vocab_size

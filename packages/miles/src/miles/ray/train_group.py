@@ -23,7 +23,7 @@ from miles.backends.training_utils.infra.import_path import load_object
 from miles.config.placement_plan import COLOCATED_TRAIN_SHARE
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.placement import Placement
-from miles.ray.run_spec import TrainRunSpec
+from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.failures import describe
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import torch
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.arguments import FSDPArgs
 from miles.backends.fsdp_utils.engine import FSDPEngine, check_device_support
-from miles.ray import TrainRayActor, TrainRunSpec
+from miles.train_backend import TrainRayActor, TrainRunSpec
 
 
 class FSDPTrainRayActor(TrainRayActor):

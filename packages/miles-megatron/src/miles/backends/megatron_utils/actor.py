@@ -10,7 +10,7 @@ import torch
 from miles.backends.megatron_utils.arguments import MegatronArgs
 from miles.backends.megatron_utils.engine import MegatronEngine
 from miles.backends.megatron_utils.model_provider import require_gpu
-from miles.ray import TrainRayActor, TrainRunSpec
+from miles.train_backend import TrainRayActor, TrainRunSpec
 
 
 class MegatronTrainRayActor(TrainRayActor):

@@ -47,7 +47,7 @@ from miles.backends.training_utils.step.train_engine import (
     OptimizerStepResult,
     paired_reference_parameters,
 )
-from miles.ray.run_spec import TrainRunSpec
+from miles.train_backend.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
 

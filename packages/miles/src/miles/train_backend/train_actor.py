@@ -28,7 +28,7 @@ from miles.backends.training_utils.infra.device import dist_backend, set_device
 from miles.backends.training_utils.step.train_engine import TrainEngine
 from miles.backends.training_utils.step.trainer import PolicyTrainer
 from miles.config.trainer_args import TrainerArgs
-from miles.ray.run_spec import TrainRunSpec
+from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.checkpoint_layout import commit_checkpoint
 
 logger = logging.getLogger(__name__)
