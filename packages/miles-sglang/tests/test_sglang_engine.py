@@ -218,7 +218,7 @@ def test_visible_devices_must_give_each_tensor_parallel_rank_one_gpu():
 
 
 def test_an_engine_launch_spec_names_one_device_per_engine_device():
-    from miles.backends.sglang_utils.engine_launchers import EngineLaunchSpec
+    from miles.backends.sglang_utils.engine_launcher import EngineLaunchSpec
 
     assert EngineLaunchSpec(model_path="m", num_devices=2, visible_devices=["0", "1"])
     with pytest.raises(ValueError, match=r"names 1 device\(s\) for an engine of 2"):

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 import ray
-from miles.backends.sglang_utils.engine_launchers import EngineLaunchSpec
+from miles.backends.sglang_utils.engine_launcher import EngineLauncher, EngineLaunchSpec
 from miles.utils.plugins import ROLLOUT_ENGINES, load_plugin
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class RolloutEngineActor:
     """Start one engine through the `miles.rollout_engines` entry point, report its URL."""
 
     def __init__(self) -> None:
-        self._launcher: Any = None
+        self._launcher: EngineLauncher | None = None
         atexit.register(self.shutdown)
 
     def start(self, engine: str, spec: dict[str, Any], *, bind_node_ip: bool = True) -> str:

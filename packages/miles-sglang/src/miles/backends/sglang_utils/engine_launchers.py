@@ -1,7 +1,7 @@
 """The rollout engines miles core can start, registered under the `miles.rollout_engines` entry point.
 
 Core picks an engine by name (`--rollout-engine reference|sglang`) and never imports this module by
-name: both launchers take one `EngineLaunchSpec` and offer `start() -> url` and `shutdown()`, so the
+name: both launchers implement `engine_launcher.EngineLauncher` over one `EngineLaunchSpec`, so the
 rollout manager treats a real SGLang server and the reference engine alike.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.backends.sglang_utils.engine_launcher import EngineLaunchSpec
 from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV, ServerProcess, free_port
 from miles.backends.sglang_utils.sglang_engine import (
     SGLangEngine,
@@ -20,54 +20,6 @@ from miles.backends.sglang_utils.sglang_engine import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class EngineLaunchSpec:
-    """One engine to start: what it serves, where, and on how many devices."""
-
-    model_path: str
-    """Hugging Face checkpoint directory the engine loads."""
-    host: str = "127.0.0.1"
-    """Address to bind and to advertise; the node's address when clients run on other nodes."""
-    port: int = 0
-    """HTTP port; 0 picks a free one."""
-    num_devices: int = 1
-    """Devices of this engine (SGLang's tensor-parallel size)."""
-    dtype: str = "auto"
-    """Weight dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
-    max_running_requests: int | None = None
-    """Sequences decoded together; None: the engine's default."""
-    mem_fraction_static: float | None = None
-    """SGLang: fraction of GPU memory for weights and KV cache."""
-    random_seed: int = 0
-    """Seed of requests that carry none."""
-    startup_timeout_s: float = 600.0
-    """How long `start` waits for the engine's health endpoint."""
-    log_path: str | None = None
-    """File for the engine's output (None: inherit the caller's)."""
-    visible_devices: list[str] | None = None
-    """GPU ids on this node the engine drives, `num_devices` of them (its bundles' GPUs); None:
-    the devices the launching process sees."""
-    admin_api_key: str | None = None
-    """The key of the engine's admin routes (weights, memory, pause, abort); None: open."""
-    extra_args: dict[str, str | bool | list[str]] = field(default_factory=dict)
-    """SGLang only: other server flags without dashes ({"context-length": "4096"}; True for a
-    switch, a list for several values)."""
-    return_routed_experts: bool = False
-    """Record a MoE model's routing for requests that ask (--enable-return-routed-experts, on
-    SGLang and the reference engine alike): routing replay needs it."""
-
-    def __post_init__(self) -> None:
-        if self.num_devices < 1:
-            raise ValueError(f"an engine needs at least one device, got {self.num_devices}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} is not a TCP port (0 picks a free one)")
-        if self.visible_devices is not None and len(self.visible_devices) != self.num_devices:
-            raise ValueError(
-                f"visible_devices {self.visible_devices} names {len(self.visible_devices)} "
-                f"device(s) for an engine of {self.num_devices}"
-            )
 
 
 class ReferenceEngineLauncher:
