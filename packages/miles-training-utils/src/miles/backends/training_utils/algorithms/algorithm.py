@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
+    from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 
 __all__ = ["Algorithm", "compute_advantages_and_returns", "shape_rewards"]
 
@@ -68,7 +69,7 @@ def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -
 
 
 def compute_advantages_and_returns(
-    batch: dict[str, list], config: LossConfig, *, group: Any = None
+    batch: RolloutBatch, config: LossConfig, *, group: Any = None
 ) -> None:
     """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
 
