@@ -64,7 +64,7 @@ def unshaped(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor
 
 def loss_masks(batch: RolloutBatch) -> list[Tensor]:
     """The shard's loss masks as float32 (R,) tensors, the `masks` argument of every rule."""
-    return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_masks"]]
+    return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_mask"]]
 
 
 def _token_rewards(batch: RolloutBatch, config: LossConfig, masks: list[Tensor]) -> list[Tensor]:
@@ -75,7 +75,7 @@ def _token_rewards(batch: RolloutBatch, config: LossConfig, masks: list[Tensor])
         rewards = torch.zeros_like(mask)  # (R,)
         if config.kl_coef:
             kl = compute_approx_kl(
-                torch.as_tensor(batch["log_probs"][i]),
+                torch.as_tensor(batch["old_log_probs"][i]),
                 torch.as_tensor(batch["ref_log_probs"][i]),
                 "k1",
             )

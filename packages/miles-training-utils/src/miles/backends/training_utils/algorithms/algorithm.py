@@ -73,8 +73,8 @@ def compute_advantages_and_returns(
 ) -> None:
     """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
 
-    `batch["rewards"]` holds the output of `shape_rewards`. The rule reads `loss_masks`, and
-    `log_probs` and `ref_log_probs` when --kl-coef is set, `values` for ppo. `group` is the
+    `batch["rewards"]` holds the output of `shape_rewards`. The rule reads `loss_mask`, and
+    `old_log_probs` and `ref_log_probs` when --kl-coef is set, `values` for ppo. `group` is the
     data-parallel process group over which batch-level statistics are reduced (None: the default
     group, if any).
     """

@@ -27,7 +27,7 @@ class _RequiredColumns(TypedDict):
     """Number of response tokens, the trailing part of `tokens`."""
     total_lengths: list[int]
     """len(tokens): what micro-batching and DP balancing weigh."""
-    loss_masks: list[list[int]]
+    loss_mask: list[list[int]]
     """One entry per response token, 1 where the token is trained on (all ones when unset)."""
     rewards: list[float]
     """The normalized reward training uses (e.g. group-normalized)."""
@@ -43,7 +43,8 @@ class RolloutBatch(_RequiredColumns, total=False):
     """Per-sample columns; row i of every column describes the same sample.
 
     Every batch has the columns of `_RequiredColumns`; those declared here exist only sometimes.
-    A plain dict at run time: the `TypedDict` only names and types the columns.
+    A plain dict at run time: the `TypedDict` only names and types the columns. A column the loss
+    reads (`registry.BatchInput`) has the name of that loss input, from the rollout to the loss.
     """
 
     rollout_log_probs: list[list[float]]
@@ -60,7 +61,7 @@ class RolloutBatch(_RequiredColumns, total=False):
     routed_experts: list[str]
     """The engine's MoE routing (base64, SGLang's encoding); only when every sample has it
     (--use-rollout-routing-replay)."""
-    log_probs: list[Tensor]
+    old_log_probs: list[Tensor]
     """Added by the train step: the policy's log-probs before this rollout's first optimizer
     step (the engine's with --use-rollout-logprobs), one per response token."""
     ref_log_probs: list[Tensor]
@@ -77,7 +78,7 @@ ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "tokens",
     "response_lengths",
     "total_lengths",
-    "loss_masks",
+    "loss_mask",
     "rewards",
     "raw_reward",
     "rollout_log_probs",
@@ -126,7 +127,7 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
         "tokens": [list(s.tokens) for s in samples],
         "response_lengths": [s.response_length for s in samples],
         "total_lengths": [len(s.tokens) for s in samples],
-        "loss_masks": [s.effective_loss_mask for s in samples],
+        "loss_mask": [s.effective_loss_mask for s in samples],
         "rewards": [float(r) for r in rewards],
         "raw_reward": [_raw_reward(s) for s in samples],
         "sample_indices": [s.index for s in samples],
