@@ -49,7 +49,7 @@ def make_batch(samples: int, seq_len: int) -> dict[str, list]:
         "tokens": [[rng.randrange(256) for _ in range(seq_len)] for _ in range(samples)],
         "response_lengths": [response] * samples,
         "total_lengths": [seq_len] * samples,
-        "loss_masks": [[1] * response for _ in range(samples)],
+        "loss_mask": [[1] * response for _ in range(samples)],
         "rewards": [0.0] * samples,
     }
 

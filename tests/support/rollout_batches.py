@@ -23,14 +23,14 @@ def random_rollout_batch(
     """
     rng = random.Random(seed)
     batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
-    batch.update(loss_masks=[], rewards=[])
+    batch.update(loss_mask=[], rewards=[])
     for _ in range(num_samples):
         prompt, response = rng.randint(2, 7), rng.randint(2, 8)
         tokens = [rng.randrange(vocab_size) for _ in range(prompt + response)]
         batch["tokens"].append(tokens)
         batch["response_lengths"].append(response)
         batch["total_lengths"].append(len(tokens))
-        batch["loss_masks"].append([0 if masked and t == 0 else 1 for t in range(response)])
+        batch["loss_mask"].append([0 if masked and t == 0 else 1 for t in range(response)])
         batch["rewards"].append(rng.uniform(-1, 1))
     if rollout_log_prob is not None:
         batch["rollout_log_probs"] = [[rollout_log_prob] * r for r in batch["response_lengths"]]

@@ -61,7 +61,7 @@ def make_batch(num_samples: int = SAMPLES, seed: int = 0) -> dict[str, list]:
     """Random documents of uneven length, some response tokens masked out."""
     rng = random.Random(seed)
     batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
-    batch.update(loss_masks=[], rewards=[])
+    batch.update(loss_mask=[], rewards=[])
     for _ in range(num_samples):
         prompt, response = rng.randint(2, 7), rng.randint(2, 8)
         tokens = [rng.randrange(256) for _ in range(prompt + response)]
@@ -70,7 +70,7 @@ def make_batch(num_samples: int = SAMPLES, seed: int = 0) -> dict[str, list]:
         batch["tokens"].append(tokens)
         batch["response_lengths"].append(response)
         batch["total_lengths"].append(len(tokens))
-        batch["loss_masks"].append(mask)
+        batch["loss_mask"].append(mask)
         batch["rewards"].append(rng.uniform(-1, 1))
     return batch
 
@@ -130,12 +130,12 @@ def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[fl
     documents = list(zip(batch["tokens"], batch["response_lengths"], strict=True))
     with torch.no_grad():
         old = [sample_log_probs(model, t, r, temperature)[0] for t, r in documents]
-    batch["log_probs"], batch["ref_log_probs"] = old, old  # the reference model is the start
+    batch["old_log_probs"], batch["ref_log_probs"] = old, old  # the reference model is the start
     compute_advantages_and_returns(batch, args.loss, group=None)
     grads, norms = [], []
     for step in range(len(batch["tokens"]) // GLOBAL_BATCH):
         rows = range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        tokens = sum(sum(batch["loss_masks"][i]) for i in rows)
+        tokens = sum(sum(batch["loss_mask"][i]) for i in rows)
         normalizer = LossNormalizer(num_samples=GLOBAL_BATCH, num_tokens=tokens, dp_size=1)
         for i in rows:
             log_probs, entropy = sample_log_probs(model, *documents[i], temperature)
@@ -143,7 +143,7 @@ def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[fl
                 "log_probs": log_probs,
                 "entropy": entropy,
                 "response_lengths": [documents[i][1]],
-                "loss_mask": torch.tensor(batch["loss_masks"][i], dtype=torch.float32),
+                "loss_mask": torch.tensor(batch["loss_mask"][i], dtype=torch.float32),
                 "old_log_probs": old[i],
                 "advantages": batch["advantages"][i],
                 "ref_log_probs": old[i],
@@ -279,7 +279,7 @@ def test_packed_logits_equal_per_document_logits(tmp_path, attn_implementation):
         checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
     )
     docs = make_batch(4, seed=3)
-    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_masks"], 8)
+    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_mask"], 8)
     with torch.no_grad():
         logits = packed_logits(
             model, packed, attn_implementation=attn_implementation, device=torch.device("cpu")
@@ -322,7 +322,7 @@ def test_packed_logits_at_response_positions_are_those_of_the_whole_row(
         checkpoint, dtype=torch.float64, attn_implementation=attn_implementation
     )
     docs = make_batch(4, seed=5)
-    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_masks"], 8)
+    packed = pack_sequences(docs["tokens"], docs["response_lengths"], docs["loss_mask"], 8)
     positions = response_positions(packed)
     cpu = torch.device("cpu")
     weights = torch.randn(len(positions), model.config.vocab_size, dtype=torch.float64)

@@ -107,14 +107,14 @@ def _logprob_gap(
     args = make_args(checkpoint, **fsdp).with_paths(rollout_temperature=1.0)
     args = dataclasses.replace(args, spec=dataclasses.replace(args.spec, routing_replay=replay))
     actor, _ = make_actor(rank, 2, args)
-    batch = {k: [] for k in ("tokens", "response_lengths", "total_lengths", "loss_masks",
+    batch = {k: [] for k in ("tokens", "response_lengths", "total_lengths", "loss_mask",
                              "routed_experts", "sample_indices")}  # fmt: skip
     for index, answer in enumerate(answers):
         tokens = answer["prompt"] + answer["output_ids"]
         batch["tokens"].append(tokens)
         batch["response_lengths"].append(len(answer["output_ids"]))
         batch["total_lengths"].append(len(tokens))
-        batch["loss_masks"].append([1] * len(answer["output_ids"]))
+        batch["loss_mask"].append([1] * len(answer["output_ids"]))
         batch["routed_experts"].append(answer["meta_info"]["routed_experts"])
         batch["sample_indices"].append(index)
     trainer = actor.trainer.log_probs(batch)

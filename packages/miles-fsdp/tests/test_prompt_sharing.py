@@ -113,7 +113,7 @@ def grouped_batch(
     `unique_odd_rows`: every odd row has a prompt of its own (rank 1 of 2 then shares none)."""
     rng = random.Random(seed)
     batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
-    batch.update(loss_masks=[], rewards=[])
+    batch.update(loss_mask=[], rewards=[])
     for index in range(samples):
         if index % group_size == 0 or (unique_odd_rows and index % 2):
             prompt = [rng.randrange(256) for _ in range(rng.randint(3, 7))]
@@ -123,7 +123,7 @@ def grouped_batch(
         batch["tokens"].append(prompt + response)
         batch["response_lengths"].append(len(response))
         batch["total_lengths"].append(len(prompt) + len(response))
-        batch["loss_masks"].append(mask)
+        batch["loss_mask"].append(mask)
         batch["rewards"].append(rng.uniform(-1, 1))
     return batch
 

@@ -72,7 +72,7 @@ def engine_vs_trainer(actor, url: str, rank: int) -> dict:
     output, meta = answer[0]["output_ids"], answer[0]["meta_info"]
     tokens = PROMPT + output
     batch = {"tokens": [tokens], "response_lengths": [len(output)],
-             "total_lengths": [len(tokens)], "loss_masks": [[1] * len(output)]}  # fmt: skip
+             "total_lengths": [len(tokens)], "loss_mask": [[1] * len(output)]}  # fmt: skip
     trainer = actor.trainer.log_probs(batch)[0]
     engine = torch.tensor([item[0] for item in meta["output_token_logprobs"]])
     return {"diff": float((trainer - engine).abs().max()), "version": meta["weight_version"]}

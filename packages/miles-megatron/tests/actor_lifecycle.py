@@ -127,7 +127,7 @@ def engine_vs_trainer(actor, url: str) -> dict:
     output, meta = answer[0]["output_ids"], answer[0]["meta_info"]
     tokens = PROMPT + output
     batch = {"tokens": [tokens], "response_lengths": [len(output)],
-             "total_lengths": [len(tokens)], "loss_masks": [[1] * len(output)]}  # fmt: skip
+             "total_lengths": [len(tokens)], "loss_mask": [[1] * len(output)]}  # fmt: skip
     saved, actor.engine.forward.temperature = actor.engine.forward.temperature, 1.0
     try:
         trainer = actor.trainer.log_probs(batch)[0].float().cpu()

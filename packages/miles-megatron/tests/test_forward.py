@@ -22,7 +22,7 @@ def micro_batch() -> dict:
         "tokens": SAMPLES,
         "response_lengths": RESPONSE_LENGTHS,
         "total_lengths": [len(t) for t in SAMPLES],
-        "loss_masks": [[1] * r for r in RESPONSE_LENGTHS],
+        "loss_mask": [[1] * r for r in RESPONSE_LENGTHS],
         "advantages": [[0.5] * RESPONSE_LENGTHS[0], [-1.0] * RESPONSE_LENGTHS[1]],
     }
 

@@ -73,7 +73,7 @@ def test_shape_rewards_matches_reference(group_size, num_groups, estimator, data
 
 
 def _batch(rewards, masks, **extra):
-    return {"rewards": list(rewards), "loss_masks": [list(m) for m in masks], **extra}
+    return {"rewards": list(rewards), "loss_mask": [list(m) for m in masks], **extra}
 
 
 def test_grpo_family_puts_the_sample_reward_on_every_token():
@@ -114,7 +114,7 @@ def test_reinforce_plus_plus_with_kl_and_discount_matches_reference():
     masks = [[1, 1, 0, 1], [1, 0, 1], [0, 1]]
     lp = [torch.randn(len(m), generator=gen, dtype=torch.float64).tolist() for m in masks]
     ref = [torch.randn(len(m), generator=gen, dtype=torch.float64).tolist() for m in masks]
-    batch = _batch([1.0, 0.0, 0.5], masks, log_probs=lp, ref_log_probs=ref)
+    batch = _batch([1.0, 0.0, 0.5], masks, old_log_probs=lp, ref_log_probs=ref)
     config = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, gamma=0.9)
     compute_advantages_and_returns(batch, config)
     expected = _ref_reinforce_pp([1.0, 0.0, 0.5], masks, lp, ref, 0.1, 0.9)

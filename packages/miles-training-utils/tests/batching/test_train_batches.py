@@ -19,6 +19,7 @@ from miles.backends.training_utils.batching.train_batches import (
     get_batch,
     get_data_iterator,
     get_rollout_data,
+    token_columns,
     token_rows,
 )
 
@@ -52,7 +53,7 @@ def test_samples_become_columns_with_one_row_per_sample():
     assert batch["tokens"] == [[100, 100, 100, 200, 200], [101, 101, 101, 201]]
     assert batch["response_lengths"] == [2, 1]
     assert batch["total_lengths"] == [5, 4]
-    assert batch["loss_masks"] == [[0, 1], [1]]
+    assert batch["loss_mask"] == [[0, 1], [1]]
     assert batch["rewards"] == [0.25, -0.25]
     assert batch["raw_reward"] == [0.0, 7.0]  # raw_reward when set, else the reward
     assert batch["rollout_log_probs"] == [[-0.1, -0.1], [-0.2]]
@@ -251,25 +252,29 @@ def test_get_batch_concatenates_per_token_columns_in_unpack_order_and_stacks_sca
     micro = samples_to_rollout_batch(samples, [1.0, -1.0])
     micro["advantages"] = [[0.5, 0.5], [1.5, 2.5, 3.5]]
     out = get_batch(
-        micro,
-        ["rollout_log_probs", "advantages", "loss_masks", "rewards", "sample_indices"],
-        pad_multiple=8,
+        micro, ["rollout_log_probs", "advantages", "rewards", "sample_indices"], pad_multiple=8
     )
     assert out["input_ids"].shape == (1, 16)
     assert out["advantages"].tolist() == [0.5, 0.5, 1.5, 2.5, 3.5]
-    assert out["loss_masks"].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
     assert out["rewards"].dtype == torch.float32 and out["rewards"].tolist() == [1.0, -1.0]
     assert out["sample_indices"].dtype == torch.long
     assert out["response_lengths"].tolist() == [2, 3]
     # The packed loss mask, unpacked per document, is the per-token loss-mask column.
     per_doc = unpack_per_token(out["loss_mask"], out["packed"])
-    assert torch.cat(per_doc).tolist() == out["loss_masks"].tolist()
+    assert torch.cat(per_doc).tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+    assert token_columns(micro, ["loss_mask"])["loss_mask"].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_get_batch_refuses_the_loss_mask_column_whose_name_its_packed_mask_has():
+    with pytest.raises(ValueError, match=r"token_columns\(micro, \['loss_mask'\]\)"):
+        get_batch(_batch([3]), ["loss_mask"])
 
 
 def test_get_batch_accepts_per_token_tensors_added_by_training():
     micro = _batch([3, 4])
-    micro["log_probs"] = [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])]
-    assert get_batch(micro, ["log_probs"])["log_probs"].tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    micro["old_log_probs"] = [torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -4.0, -5.0])]
+    out = get_batch(micro, ["old_log_probs"])
+    assert out["old_log_probs"].tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
 
 
 def test_get_batch_rejects_per_token_rows_of_the_wrong_length():

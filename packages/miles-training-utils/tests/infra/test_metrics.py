@@ -44,8 +44,8 @@ ROLLOUT_DATA: list[dict[str, list]] = [
         "rewards": [1.0, 0.0, 0.0],
         "raw_reward": [1.0, -1.0, -1.0],
         "response_lengths": [2, 3, 1],
-        "loss_masks": [[1, 1], [1, 0, 1], [1]],
-        "log_probs": [[-0.5, -1.5], [-2.0, -9.0, -1.0], [-4.0]],
+        "loss_mask": [[1, 1], [1, 0, 1], [1]],
+        "old_log_probs": [[-0.5, -1.5], [-2.0, -9.0, -1.0], [-4.0]],
         "advantages": [[1.0, 1.0], [-0.5, -0.5, -0.5], [3.0]],
         "tokens": [[5, 6, 7], [8, 9, 10, 11], [12, 13]],  # not a metric: skipped
     },
@@ -53,8 +53,8 @@ ROLLOUT_DATA: list[dict[str, list]] = [
         "rewards": [1.0],
         "raw_reward": [1.0],
         "response_lengths": [5],
-        "loss_masks": [torch.tensor([1, 1, 0, 0, 0])],
-        "log_probs": [torch.tensor([-0.25, -0.25, -0.25, -0.25, -50.0])],
+        "loss_mask": [torch.tensor([1, 1, 0, 0, 0])],
+        "old_log_probs": [torch.tensor([-0.25, -0.25, -0.25, -0.25, -50.0])],
         "advantages": [torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0])],
         "tokens": [[1, 2, 3, 4, 5, 6]],
     },
@@ -81,7 +81,7 @@ def _rollout_reference(shards: list[dict]) -> dict[str, float]:
         return [
             float(v)
             for shard in shards
-            for row, mask in zip(shard[key], shard["loss_masks"], strict=True)
+            for row, mask in zip(shard[key], shard["loss_mask"], strict=True)
             for v, m in zip(list(row), list(mask), strict=True)
             if m
         ]
@@ -90,7 +90,7 @@ def _rollout_reference(shards: list[dict]) -> dict[str, float]:
         "rollout/rewards": _mean(column("rewards")),
         "rollout/raw_reward": _mean(column("raw_reward")),
         "rollout/response_lengths": _mean(column("response_lengths")),
-        "rollout/log_probs": _mean(masked("log_probs")),
+        "rollout/old_log_probs": _mean(masked("old_log_probs")),
         "rollout/advantages": _mean(masked("advantages")),
     }
 
@@ -269,17 +269,19 @@ def test_forward_results_reject_scalars_mismatched_keys_and_shapes():
         aggregate_forward_results([{"a": torch.ones(1, 2)}, {"a": torch.ones(1, 3)}])
 
 
-def test_rollout_token_columns_need_loss_masks_of_matching_lengths():
-    with pytest.raises(ValueError, match=r"per-token columns \['log_probs'\] but no 'loss_masks'"):
-        log_rollout_data({"log_probs": [[0.0]]})
+def test_rollout_token_columns_need_a_loss_mask_of_matching_lengths():
     with pytest.raises(
-        ValueError, match="'log_probs', sample 1: 2 per-token values but 'loss_masks' has 3"
+        ValueError, match=r"per-token columns \['old_log_probs'\] but no 'loss_mask'"
     ):
-        log_rollout_data({"log_probs": [[0.0], [0.0, 1.0]], "loss_masks": [[1], [1, 1, 1]]})
-    with pytest.raises(ValueError, match="'log_probs' has 1 samples but 'loss_masks' has 2"):
-        log_rollout_data({"log_probs": [[0.0]], "loss_masks": [[1], [1]]})
+        log_rollout_data({"old_log_probs": [[0.0]]})
+    with pytest.raises(
+        ValueError, match="'old_log_probs', sample 1: 2 per-token values but 'loss_mask' has 3"
+    ):
+        log_rollout_data({"old_log_probs": [[0.0], [0.0, 1.0]], "loss_mask": [[1], [1, 1, 1]]})
+    with pytest.raises(ValueError, match="'old_log_probs' has 1 samples but 'loss_mask' has 2"):
+        log_rollout_data({"old_log_probs": [[0.0]], "loss_mask": [[1], [1]]})
     with pytest.raises(ValueError, match=r"'advantages', sample 0 is 0\.5; per-token columns"):
-        log_rollout_data({"advantages": [0.5], "loss_masks": [[1]]})
+        log_rollout_data({"advantages": [0.5], "loss_mask": [[1]]})
 
 
 def test_train_step_metrics_are_prefixed_and_carry_step_lr_and_grad_norm():

@@ -108,7 +108,7 @@ def policy_loss_reference(data: dict, log_probs, entropy):
     """The step's policy loss over the whole batch in float64 (one optimizer step: the old policy
     is the policy, the advantages are the rewards), with what the OPD terms reduce with:
     (loss, mask, config, normalizer)."""
-    mask = torch.tensor([m for ms in data["loss_masks"] for m in ms], dtype=torch.float64)
+    mask = torch.tensor([m for ms in data["loss_mask"] for m in ms], dtype=torch.float64)
     advantages = torch.cat(
         [torch.full((n,), float(r), dtype=torch.float64)
          for n, r in zip(data["response_lengths"], data["rewards"], strict=True)]
@@ -131,8 +131,8 @@ def test_advantages_mode_subtracts_the_kl_from_the_estimators_advantages(teacher
     metrics = run.train(data)
     # The old policy's log-probs are taken before the step (the advantages need them).
     assert engine.calls == [("policy", 4), ("train", 4)]
-    masks = [torch.tensor(m, dtype=torch.float64) for m in data["loss_masks"]]
-    old = [torch.as_tensor(lp).double() for lp in data["log_probs"]]
+    masks = [torch.tensor(m, dtype=torch.float64) for m in data["loss_mask"]]
+    old = [torch.as_tensor(lp).double() for lp in data["old_log_probs"]]
     teacher = [torch.tensor(t, dtype=torch.float64) for t in data["teacher_log_probs"]]
     for adv, reward, s, t, m in zip(data["advantages"], data["rewards"], old, teacher, masks, strict=True):  # fmt: skip
         torch.testing.assert_close(adv.double(), reward - 0.5 * (s - t) * m, atol=1e-6, rtol=0)

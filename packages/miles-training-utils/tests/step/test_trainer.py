@@ -165,7 +165,7 @@ def test_one_step_equals_a_float64_whole_batch_reference():
     inputs = {
         "log_probs": log_probs, "entropy": entropy, "old_log_probs": log_probs.detach(),
         "advantages": torch.cat(reference["advantages"]).double(),
-        "loss_mask": torch.cat([torch.tensor(m, dtype=torch.float64) for m in data["loss_masks"]]),
+        "loss_mask": torch.cat([torch.tensor(m, dtype=torch.float64) for m in data["loss_mask"]]),
         "response_lengths": data["response_lengths"],
     }  # fmt: skip
     tokens = int(inputs["loss_mask"].sum())
@@ -180,7 +180,7 @@ def test_the_step0_gap_counts_only_trainable_tokens():
     data = batch(masked=True, rollout_log_prob=0.0)
     engine = BigramEngine()
     ours = trainer(engine).log_probs(data)
-    masks = [torch.tensor(m, dtype=torch.float64) for m in data["loss_masks"]]
+    masks = [torch.tensor(m, dtype=torch.float64) for m in data["loss_mask"]]
     want = sum(float((-o.double() * m).sum()) for o, m in zip(ours, masks, strict=True))
     want /= sum(float(m.sum()) for m in masks)
     unweighted = float(torch.cat(ours).double().abs().mean())

@@ -10,9 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
+
+if TYPE_CHECKING:
+    from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,7 @@ class ReplayedRollouts:
                 f"--load-debug-rollout-data {self.pattern}); save rollouts first with "
                 "--save-debug-rollout-data"
             )
-        import torch  # saved rollouts are torch files; only a replaying driver imports torch
-
-        shards = torch.load(path, weights_only=False)["shards"]
+        shards = load_saved_shards(path)
         if len(shards) != self.dp_size:
             raise ValueError(
                 f"{path} holds {len(shards)} data-parallel shards but this run trains "
@@ -106,6 +107,24 @@ class ReplayedRollouts:
 
     def wait_done(self, pending: PendingRollout) -> None:
         return None
+
+
+# Columns renamed since --save-debug-rollout-data first wrote files, old name -> name: files saved
+# before the rename still replay. The one place that knows the old names.
+_RENAMED_COLUMNS = {"log_probs": "old_log_probs", "loss_masks": "loss_mask"}
+
+
+def load_saved_shards(path: Path) -> list[RolloutBatch]:
+    """The data-parallel shards `save_rollout` wrote to `path`, under today's column names (files
+    from earlier versions call the loss mask `loss_masks` and the old policy's log-probs
+    `log_probs`)."""
+    import torch  # saved rollouts are torch files; only a replaying driver imports torch
+
+    shards = torch.load(path, weights_only=False)["shards"]
+    return [
+        {_RENAMED_COLUMNS.get(key, key): column for key, column in shard.items()}
+        for shard in shards
+    ]
 
 
 def save_rollout(pattern: str, rollout: Rollout) -> None:

@@ -24,12 +24,12 @@ from miles.backends.training_utils.algorithms.formulas.returns import (
     get_gae_advantages_and_returns,
     get_reinforce_plus_plus_returns,
 )
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 from miles.backends.training_utils.infra.device import collective_device
 
 if TYPE_CHECKING:
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
 
-RolloutColumns = dict[str, list]
 Advantages = tuple[list[Tensor], list[Tensor]]
 """(advantages, returns): one (response_length,) tensor per sample each."""
 
@@ -62,12 +62,12 @@ def unshaped(raw_rewards: Tensor, group_size: int, config: LossConfig) -> Tensor
 # -- rules: a rank's shard -> per-token advantages and returns --------------------------------
 
 
-def loss_masks(batch: RolloutColumns) -> list[Tensor]:
+def loss_masks(batch: RolloutBatch) -> list[Tensor]:
     """The shard's loss masks as float32 (R,) tensors, the `masks` argument of every rule."""
-    return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_masks"]]
+    return [torch.as_tensor(m, dtype=torch.float32) for m in batch["loss_mask"]]
 
 
-def _token_rewards(batch: RolloutColumns, config: LossConfig, masks: list[Tensor]) -> list[Tensor]:
+def _token_rewards(batch: RolloutBatch, config: LossConfig, masks: list[Tensor]) -> list[Tensor]:
     """Per-token rewards: -kl_coef * KL(k1) on every token, the sample's reward on its last
     trainable token (the last token the policy produced)."""
     token_rewards = []
@@ -75,7 +75,7 @@ def _token_rewards(batch: RolloutColumns, config: LossConfig, masks: list[Tensor
         rewards = torch.zeros_like(mask)  # (R,)
         if config.kl_coef:
             kl = compute_approx_kl(
-                torch.as_tensor(batch["log_probs"][i]),
+                torch.as_tensor(batch["old_log_probs"][i]),
                 torch.as_tensor(batch["ref_log_probs"][i]),
                 "k1",
             )
@@ -115,7 +115,7 @@ def global_whiten(
 
 
 def broadcast_reward(
-    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+    batch: RolloutBatch, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """grpo, dr_grpo, gspo, rloo: the shaped sample reward on every response token."""
     advantages = [
@@ -125,7 +125,7 @@ def broadcast_reward(
 
 
 def reinforce_plus_plus(
-    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+    batch: RolloutBatch, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """REINFORCE++ (Hu 2025): discounted token returns, whitened over the global batch."""
     returns = get_reinforce_plus_plus_returns(
@@ -135,7 +135,7 @@ def reinforce_plus_plus(
 
 
 def reinforce_plus_plus_baseline(
-    batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group
+    batch: RolloutBatch, config: LossConfig, masks: list[Tensor], group
 ) -> Advantages:
     """REINFORCE++-baseline: group-centred reward on every token minus the per-token KL
     penalty, whitened over the global batch."""
@@ -147,7 +147,7 @@ def reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-def gae(batch: RolloutColumns, config: LossConfig, masks: list[Tensor], group) -> Advantages:
+def gae(batch: RolloutBatch, config: LossConfig, masks: list[Tensor], group) -> Advantages:
     """PPO: GAE over trainable tokens with the critic's values."""
     values = [torch.as_tensor(v, dtype=torch.float32) for v in batch["values"]]
     rewards = _token_rewards(batch, config, masks)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
+    from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 
 __all__ = ["Algorithm", "compute_advantages_and_returns", "shape_rewards"]
 
@@ -68,12 +69,12 @@ def shape_rewards(raw_rewards: Tensor, config: LossConfig, *, group_size: int) -
 
 
 def compute_advantages_and_returns(
-    batch: dict[str, list], config: LossConfig, *, group: Any = None
+    batch: RolloutBatch, config: LossConfig, *, group: Any = None
 ) -> None:
     """Add `advantages` and `returns` (per-sample (response_length,) tensors) to `batch`.
 
-    `batch["rewards"]` holds the output of `shape_rewards`. The rule reads `loss_masks`, and
-    `log_probs` and `ref_log_probs` when --kl-coef is set, `values` for ppo. `group` is the
+    `batch["rewards"]` holds the output of `shape_rewards`. The rule reads `loss_mask`, and
+    `old_log_probs` and `ref_log_probs` when --kl-coef is set, `values` for ppo. `group` is the
     data-parallel process group over which batch-level statistics are reduced (None: the default
     group, if any).
     """

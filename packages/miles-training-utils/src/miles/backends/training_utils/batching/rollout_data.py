@@ -10,39 +10,75 @@ micro-batch (`data.get_batch`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from miles.backends.training_utils.batching.sample import Sample
 
-RolloutBatch = dict[str, list]
-"""Per-sample columns; row i of every column describes the same sample.
+if TYPE_CHECKING:
+    from torch import Tensor
 
-Keys made by `samples_to_rollout_batch`:
-    tokens             list[int] per sample: prompt then response token ids.
-    response_lengths   int: number of response tokens (the trailing part of `tokens`).
-    total_lengths      int: len(tokens); what micro-batching and DP balancing weigh.
-    loss_masks         list[int] per sample, one per response token (all ones when unset).
-    rewards            float: the normalized reward training uses (e.g. group-normalized).
-    raw_reward         float: the reward function's output, for logging.
-    rollout_log_probs  list[float] per sample, one per response token; only when every sample
-                       has them.
-    teacher_log_probs  list[float] per sample, one per response token: the teacher's scores
-                       (--use-opd); only when every sample has them.
-    teacher_top_ids, teacher_top_log_probs
-                       list[list] per sample, K per response token: the teacher's top tokens
-                       and their log-probs (--opd-kl-mode topk); only when every sample has them.
-    routed_experts     str per sample: the engine's MoE routing (base64, SGLang's encoding);
-                       only when every sample has it (--use-rollout-routing-replay).
-    sample_indices     int: `Sample.index`, to map rows back to samples.
-    weight_versions    int | None: the engine weight version that generated the sample.
-Keys added by training, one value per response token unless noted:
-    log_probs, ref_log_probs, advantages, returns, values (all list[float] per sample).
-"""
+
+class _RequiredColumns(TypedDict):
+    """The columns every batch has (`samples_to_rollout_batch` makes them)."""
+
+    tokens: list[list[int]]
+    """Prompt then response token ids."""
+    response_lengths: list[int]
+    """Number of response tokens, the trailing part of `tokens`."""
+    total_lengths: list[int]
+    """len(tokens): what micro-batching and DP balancing weigh."""
+    loss_mask: list[list[int]]
+    """One entry per response token, 1 where the token is trained on (all ones when unset)."""
+    rewards: list[float]
+    """The normalized reward training uses (e.g. group-normalized)."""
+    raw_reward: list[float]
+    """The reward function's output, for logging."""
+    sample_indices: list[int]
+    """`Sample.index`, to map rows back to samples."""
+    weight_versions: list[int | None]
+    """The engine weight version that generated the sample."""
+
+
+class RolloutBatch(_RequiredColumns, total=False):
+    """Per-sample columns; row i of every column describes the same sample.
+
+    Every batch has the columns of `_RequiredColumns`; those declared here exist only sometimes.
+    A plain dict at run time: the `TypedDict` only names and types the columns. A column the loss
+    reads (`registry.BatchInput`) has the name of that loss input, from the rollout to the loss.
+    """
+
+    rollout_log_probs: list[list[float]]
+    """The engine's log-prob of each response token; only when every sample has them."""
+    teacher_log_probs: list[list[float]]
+    """The teacher's log-prob of each response token (--use-opd); only when every sample has
+    them."""
+    teacher_top_ids: list[list[list[int]]]
+    """The teacher's top K token ids at each response position (--opd-kl-mode topk); only when
+    every sample has them."""
+    teacher_top_log_probs: list[list[list[float]]]
+    """The teacher's log-probs of `teacher_top_ids`, K per response token; only when every sample
+    has them."""
+    routed_experts: list[str]
+    """The engine's MoE routing (base64, SGLang's encoding); only when every sample has it
+    (--use-rollout-routing-replay)."""
+    old_log_probs: list[Tensor]
+    """Added by the train step: the policy's log-probs before this rollout's first optimizer
+    step (the engine's with --use-rollout-logprobs), one per response token."""
+    ref_log_probs: list[Tensor]
+    """Added by the train step: the frozen reference model's log-probs, one per response token."""
+    advantages: list[Tensor]
+    """Added by the train step: the estimator's advantage of each response token."""
+    returns: list[Tensor]
+    """Added by the train step with `advantages`: the estimator's return of each response token."""
+    values: list[Tensor]
+    """A critic's value of each response token (ppo; no backend trains a critic yet)."""
+
 
 ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "tokens",
     "response_lengths",
     "total_lengths",
-    "loss_masks",
+    "loss_mask",
     "rewards",
     "raw_reward",
     "rollout_log_probs",
@@ -91,7 +127,7 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
         "tokens": [list(s.tokens) for s in samples],
         "response_lengths": [s.response_length for s in samples],
         "total_lengths": [len(s.tokens) for s in samples],
-        "loss_masks": [s.effective_loss_mask for s in samples],
+        "loss_mask": [s.effective_loss_mask for s in samples],
         "rewards": [float(r) for r in rewards],
         "raw_reward": [_raw_reward(s) for s in samples],
         "sample_indices": [s.index for s in samples],

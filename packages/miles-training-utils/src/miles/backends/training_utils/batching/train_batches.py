@@ -141,14 +141,20 @@ def get_batch(micro: RolloutBatch, keys: Sequence[str], pad_multiple: int = 1) -
     Returns the `PackedBatch` fields (`input_ids`, `position_ids`, `cu_seqlens`, `max_seqlen`,
     `loss_mask`, `response_slices`), the `PackedBatch` itself as `packed`, `response_lengths`
     (B,), and for each key: per-token columns (a list per sample, e.g. `rollout_log_probs`,
-    `advantages`, `loss_masks`) concatenated over samples into (sum of response lengths,) float32,
-    in the order `unpack_per_token` produces; per-sample scalar columns as (B,).
+    `advantages`) concatenated over samples into (sum of response lengths,) float32, in the order
+    `unpack_per_token` produces; per-sample scalar columns as (B,).
     """
+    if "loss_mask" in keys:
+        # The column and the packed mask share the name; one would silently replace the other.
+        raise ValueError(
+            "get_batch always returns the packed 'loss_mask' (1, T); take the column's per-token "
+            "values from token_columns(micro, ['loss_mask']) instead of asking for it as a key"
+        )
     missing = [key for key in keys if key not in micro]
     if missing:
         raise KeyError(f"keys {missing} are not in the batch; it has {sorted(micro)}")
     response_lengths = micro["response_lengths"]
-    packed = pack_sequences(micro["tokens"], response_lengths, micro["loss_masks"], pad_multiple)
+    packed = pack_sequences(micro["tokens"], response_lengths, micro["loss_mask"], pad_multiple)
     out: dict[str, Any] = {
         "packed": packed,
         "input_ids": packed.input_ids,

@@ -27,13 +27,13 @@ MetricPair = torch.Tensor | tuple[float, float]
 SAMPLE_KEYS: tuple[str, ...] = ("rewards", "raw_reward", "response_lengths")
 TOKEN_KEYS: tuple[str, ...] = (
     "rollout_log_probs",
-    "log_probs",
+    "old_log_probs",
     "ref_log_probs",
     "advantages",
     "returns",
     "values",
 )
-LOSS_MASK_KEY = "loss_masks"
+LOSS_MASK_KEY = "loss_mask"
 
 
 def token_weighted(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def log_rollout_data(
 
     Sample-weighted means of `SAMPLE_KEYS` (one number per sample) and token-weighted means of
     `TOKEN_KEYS` over loss-masked tokens (one row of per-token values per sample, a list or a 1-D
-    tensor, aligned with the row of `loss_masks`). Other columns are skipped. `group` as in
+    tensor, aligned with the row of `loss_mask`). Other columns are skipped. `group` as in
     `aggregate_train_losses`; every rank must hold the same columns.
     """
     pairs: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ also owns the step-0 check (`logprob_gap`). The engine only runs micro-batches t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from miles.backends.training_utils.algorithms.algorithm import (
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss import LossNormalizer, reduce_loss
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.backends.training_utils.algorithms.registry import BatchInput
 from miles.backends.training_utils.algorithms.teacher_kl import (
     kl_loss_per_token,
     penalize_advantages,
@@ -50,15 +51,6 @@ from miles.backends.training_utils.infra.metrics import (
 from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS, TrainEngine
 
 logger = logging.getLogger(__name__)
-
-# Batch input -> the shard column that holds it (the old policy's log-probs live in "log_probs").
-_COLUMNS = {
-    "old_log_probs": "log_probs",
-    "ref_log_probs": "ref_log_probs",
-    "rollout_log_probs": "rollout_log_probs",
-    "advantages": "advantages",
-    "values": "values",
-}
 
 
 class PolicyTrainer:
@@ -153,7 +145,7 @@ class PolicyTrainer:
         ours = self.log_probs(batch, reference=False)
         totals = torch.zeros(2, dtype=torch.float64)  # [sum |gap| * mask, sum mask]
         for trainer, engine, mask in zip(
-            ours, batch["rollout_log_probs"], batch["loss_masks"], strict=True
+            ours, batch["rollout_log_probs"], batch["loss_mask"], strict=True
         ):
             weights = torch.as_tensor(mask, dtype=torch.float64)
             gap = (trainer.double() - torch.as_tensor(engine, dtype=torch.float64)).abs()
@@ -184,9 +176,9 @@ class PolicyTrainer:
             _require_rollout_log_probs(batch, self.use_rollout_logprobs)
         if "old_log_probs" in inputs and not old_from_step:
             if self.use_rollout_logprobs:
-                batch["log_probs"] = [torch.as_tensor(r) for r in batch["rollout_log_probs"]]
+                batch["old_log_probs"] = [torch.as_tensor(r) for r in batch["rollout_log_probs"]]
             else:
-                batch["log_probs"] = self.log_probs(batch, reference=False)
+                batch["old_log_probs"] = self.log_probs(batch, reference=False)
         if "ref_log_probs" in inputs:
             batch["ref_log_probs"] = self.log_probs(batch, reference=True)
         if self.distillation is not None and "teacher_log_probs" not in batch:
@@ -209,9 +201,9 @@ class PolicyTrainer:
             if self.distillation is not None and self.distillation.kl_in_advantages:
                 batch["advantages"] = penalize_advantages(
                     batch["advantages"],
-                    [torch.as_tensor(lp) for lp in batch["log_probs"]],
+                    [torch.as_tensor(lp) for lp in batch["old_log_probs"]],
                     [torch.as_tensor(lp) for lp in batch["teacher_log_probs"]],
-                    [torch.as_tensor(m) for m in batch["loss_masks"]],
+                    [torch.as_tensor(m) for m in batch["loss_mask"]],
                     coef=self.distillation.opd_kl_coef,
                 )
 
@@ -220,7 +212,7 @@ class PolicyTrainer:
     def _step(self, step_batch: RolloutBatch, *, old_from_step: bool) -> dict[str, float]:
         """One optimizer step over this rank's share of one global batch."""
         local_tokens = torch.tensor(
-            [float(sum(sum(mask) for mask in step_batch["loss_masks"]))], dtype=torch.float64
+            [float(sum(sum(mask) for mask in step_batch["loss_mask"]))], dtype=torch.float64
         )
         normalizer = LossNormalizer(
             num_samples=self.global_batch_size,
@@ -228,27 +220,26 @@ class PolicyTrainer:
             dp_size=self.engine.dp_size,
         )
         micro_batches = list(self._micro_batches(step_batch))
-        columns = [
-            _COLUMNS[name]
-            for name in sorted(self.inputs)
-            if not (old_from_step and name == "old_log_probs")
+        # Each batch input the loss reads is the shard column of the same name.
+        loss_columns = [
+            name
+            for name in get_args(BatchInput)
+            if name in self.inputs and not (old_from_step and name == "old_log_probs")
         ]
-        if self.distillation is not None:
-            columns.append("teacher_log_probs")
+        teacher_columns = ["teacher_log_probs"] if self.distillation is not None else []
         compute_loss, config = self.algorithm.loss.loss_function, self.config
 
         def loss_fn(index: int, log_probs: Tensor, entropy: Tensor, scored: Tensor | None):
             micro = micro_batches[index]
-            tensors = token_columns(micro, ["loss_masks", *columns])
+            tensors = token_columns(micro, ["loss_mask", *loss_columns, *teacher_columns])
             inputs: dict[str, Any] = {
                 "log_probs": log_probs,
                 "entropy": entropy,
-                "loss_mask": tensors["loss_masks"].to(log_probs.device),
+                "loss_mask": tensors["loss_mask"].to(log_probs.device),
                 "response_lengths": micro["response_lengths"],
             }
-            for name, column in _COLUMNS.items():
-                if column in columns:
-                    inputs[name] = tensors[column].to(log_probs.device)
+            for name in loss_columns:
+                inputs[name] = tensors[name].to(log_probs.device)
             if old_from_step and "old_log_probs" in self.inputs:
                 inputs["old_log_probs"] = log_probs.detach()  # ratio 1: the step's start policy
             loss, metrics = compute_loss(inputs, config, normalizer)
