@@ -124,7 +124,7 @@ def test_the_batch_mean_estimator_centres_rewards_on_the_rollout_mean(batch_mean
     assert shaped.tolist() == pytest.approx([r - sum(raw) / len(raw) for r in raw])
 
     masks = [[1, 1, 0], [1], [0, 1], [1, 1], [1], [1, 1, 1]]
-    columns = {"rewards": shaped.tolist(), "loss_masks": masks}
+    columns = {"rewards": shaped.tolist(), "loss_mask": masks}
     compute_advantages_and_returns(columns, config)
     for adv, mask, reward in zip(columns["advantages"], masks, shaped.tolist(), strict=True):
         assert adv.tolist() == pytest.approx([reward] * len(mask))  # the rule: broadcast_reward
