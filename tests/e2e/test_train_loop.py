@@ -31,6 +31,7 @@ from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
+from tools.compare_runs import compare_records
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -239,13 +240,9 @@ def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_p
         assets, tmp_path / "crashed", *DISAGGREGATED, "--save", str(tmp_path / "crashed_ckpt")
     )
     assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollout 2 logged once, not twice
-    for key in (
-        "rollout/reward_mean",
-        "rollout/response_len_mean",
-        "train/loss",
-        "train/grad_norm",
-    ):
-        assert resumed[2].get(key) == pytest.approx(full[2].get(key), rel=1e-5, abs=1e-7), key
+    # Every non-timing value of the resumed rollout, to the bit (tools/compare_runs.py); the
+    # resumed process's first rollout adds its start-up and step-0 check records.
+    assert compare_records([full[2]], [resumed[2]], ignore=["^check/"]) == []
     assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
 
 
