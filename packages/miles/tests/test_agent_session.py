@@ -359,9 +359,9 @@ def test_a_rollout_of_agent_sessions_from_the_runs_flags(
                 tokenizer=load_tokenizer(str(tiny_checkpoint)), model_path=str(tiny_checkpoint),
             )  # fmt: skip
             output = await load_rollout(config.rollout).generate_rollout(ctx, 0)
-        from miles.rollout.agent_rollout import _servers
+        from miles.rollout.agent_rollout import close_session_server
 
-        await _servers[asyncio.get_running_loop()].aclose()
+        await close_session_server()
         return output
 
     output = asyncio.run(main())
@@ -430,3 +430,26 @@ def test_a_session_on_an_sglang_engine_is_token_exact(tiny_checkpoint):
     assert sample.tokens == last_prompt + last_completion
     assert sum(sample.loss_mask) == sum(len(completion) for _, completion in seen)
     assert sample.tokens[: len(first)] == first
+
+
+def test_sessions_asking_at_once_all_get_the_one_server_once_it_listens():
+    """Every sample's session asks for the loop's session server on first use, concurrently:
+    each must get the same server, already accepting connections."""
+    from miles.rollout.agent_rollout import close_session_server, session_server
+
+    async def ask_and_connect():
+        server = await session_server("127.0.0.1", "p")
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)  # nothing refused
+        writer.close()
+        await writer.wait_closed()
+        return server
+
+    async def connect_at_once():
+        servers = await asyncio.gather(*[ask_and_connect() for _ in range(8)])
+        assert all(server is servers[0] for server in servers)
+        await close_session_server()
+        return servers[0]
+
+    first = asyncio.run(connect_at_once())
+    second = asyncio.run(connect_at_once())  # a new loop gets a server of its own
+    assert first is not second

@@ -22,6 +22,7 @@ handed back as its prompt, to start again).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
 from collections import Counter
@@ -42,26 +43,45 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# One session server per event loop (the rollout manager has one loop; a test may have several).
-_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SessionServer] = (
+# One session server per event loop (the rollout manager has one loop; a test may have several),
+# held as the task that starts it: every sample's session may ask for it at once, and none may
+# get a server that is not listening yet.
+_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[SessionServer]] = (
     weakref.WeakKeyDictionary()
 )
-# One token spelling table per tokenizer: it fills as sessions spell tokens.
-_spellings: weakref.WeakKeyDictionary[Any, TokenSpelling] = weakref.WeakKeyDictionary()
 
 
 async def session_server(host: str, model_name: str) -> SessionServer:
-    """The running loop's session server, started on first use."""
+    """The running loop's session server, started on first use; every caller waits for it to
+    listen. A failed start is forgotten, so the next caller tries again."""
     loop = asyncio.get_running_loop()
-    server = _servers.get(loop)
-    if server is None:
-        server = _servers[loop] = SessionServer(host, model_name)
-        try:
-            await server.start()
-        except BaseException:
+    starting = _servers.get(loop)
+    if starting is None:
+        starting = _servers[loop] = loop.create_task(_start(SessionServer(host, model_name)))
+    try:
+        return await asyncio.shield(starting)
+    except BaseException:
+        if starting.done() and _servers.get(loop) is starting:
             del _servers[loop]
-            raise
+        raise
+
+
+async def close_session_server() -> None:
+    """Stop the running loop's session server, if one was started."""
+    starting = _servers.pop(asyncio.get_running_loop(), None)
+    if starting is not None:
+        await (await starting).aclose()
+
+
+async def _start(server: SessionServer) -> SessionServer:
+    await server.start()
     return server
+
+
+@functools.lru_cache(maxsize=4)
+def _spelling(tokenizer: Any) -> TokenSpelling:
+    """One token spelling table per tokenizer: it fills as sessions spell tokens."""
+    return TokenSpelling(tokenizer)
 
 
 class AgentRollout(SampleRollout):
@@ -120,10 +140,7 @@ class AgentRunner:
                  max_turns: int, timeout_s: float) -> None:  # fmt: skip
         self.agent, self.tokenizer, self.template, self.server = agent, tokenizer, template, server
         self.max_turns, self.timeout_s = max_turns, timeout_s
-        spelling = _spellings.get(tokenizer)
-        if spelling is None:
-            spelling = _spellings[tokenizer] = TokenSpelling(tokenizer)
-        self.spelling = spelling
+        self.spelling = _spelling(tokenizer)
 
     @classmethod
     async def for_context(cls, ctx: RolloutContext) -> AgentRunner:
