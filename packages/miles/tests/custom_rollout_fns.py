@@ -78,3 +78,18 @@ def _tagged_rollout_class():
 
 
 TaggedRollout = _tagged_rollout_class()
+
+
+def _short_rollout_class():
+    from miles.rollout.contract import Rollout
+
+    class DropsOne(Rollout):
+        """A broken rollout: it loses a sample of every group."""
+
+        async def generate_group(self, ctx, group):
+            return group[:-1]
+
+    return DropsOne
+
+
+DropsOne = _short_rollout_class()

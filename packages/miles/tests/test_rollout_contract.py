@@ -18,6 +18,8 @@ from miles.rollout.rollout_config import RolloutConfig
 from miles.rollout.single_turn import SingleTurnRollout
 from tests.support.rollout_context import rollout_context
 
+DEFAULT = "miles.rollout.single_turn:SingleTurnRollout"
+
 
 @pytest.fixture(autouse=True)
 def custom_functions_importable(monkeypatch):
@@ -120,3 +122,34 @@ def test_a_rollout_without_generate_group_names_the_missing_method(monkeypatch):
         ImportPathError, match=r"Rollout Half, which does not define generate_group"
     ):
         load_rollout(_config("custom_rollout_fns:Half"))
+
+
+def test_a_group_of_the_wrong_size_from_a_rollout_names_the_rollout():
+    class NoEngines:  # the broken rollout never sends a request
+        fault_tolerant, router_url = False, None
+
+        async def abort_all(self) -> None:
+            pass
+
+    config = _config("custom_rollout_fns:DropsOne")
+    ctx = rollout_context(NoEngines(), Prompts(), score_one, config)
+    with pytest.raises(ValueError, match=r"DropsOne\.generate_group returned 1 samples .* has 2"):
+        asyncio.run(load_rollout(config).generate_rollout(ctx, 0))
+
+
+def test_the_custom_generate_flag_picks_the_per_sample_rollout_and_generate_sample_is_built_in():
+    from miles.rollout.single_turn import CustomSampleRollout
+
+    builtin = "miles.rollout.sample_generation:generate_sample"
+    assert type(load_rollout(_config(DEFAULT, custom_generate_function_path=builtin))) is (
+        SingleTurnRollout
+    )
+    canned = "custom_rollout_fns:canned_generate"
+    made = load_rollout(_config(DEFAULT, custom_generate_function_path=canned))
+    assert type(made) is CustomSampleRollout and made.generate_fn.__name__ == "canned_generate"
+    by_path = "miles.rollout.single_turn:CustomSampleRollout"
+    assert type(load_rollout(_config(by_path, custom_generate_function_path=canned))) is (
+        CustomSampleRollout
+    )
+    with pytest.raises(ValueError, match="makes each sample with --custom-generate-function-path"):
+        load_rollout(_config(by_path))

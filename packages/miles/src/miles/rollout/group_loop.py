@@ -192,7 +192,14 @@ class _GroupLoop:
         )
 
     async def _run_group_attempt(self, group: list[Sample]) -> GroupOutcome:
-        group[:] = await self.generate_group(self.ctx, group)
+        generated = await self.generate_group(self.ctx, group)
+        if len(generated) != len(group):
+            raise ValueError(
+                f"{_qualname(self.generate_group)} returned {len(generated)} samples for the "
+                f"group of prompt {group[0].group_index}, which has {len(group)} "
+                "(--n-samples-per-prompt); return every sample of the group, in order"
+            )
+        group[:] = generated
         if any(sample.status == SampleStatus.ABORTED for sample in group):
             return GroupOutcome.ABORTED
         if self.ctx.requests.closed:
@@ -263,3 +270,8 @@ class _GroupLoop:
             metrics["rollout/reward_min"] = float(min(rewards))
             metrics["rollout/reward_max"] = float(max(rewards))
         return metrics
+
+
+def _qualname(fn: GroupGenerator) -> str:
+    """`Class.generate_group` of a bound method (what a user's error message names)."""
+    return getattr(fn, "__qualname__", repr(fn))

@@ -1,7 +1,8 @@
 """Generate (or continue) one sample with one /generate call, and fold the answer into it.
 
-`generate_sample` is the default of `--custom-generate-function-path`: a custom function has the
-same signature and may call it, or `append_response`, for the engine round trip. A sample whose
+`generate_sample` is how the single-turn rollout makes a sample; a function given by
+`--custom-generate-function-path` has the same signature and may call it, or `append_response`, for
+the engine round trip. A sample whose
 earlier generation was aborted continues from its tokens: the new response tokens, text and
 log-probs are appended to the old ones.
 """

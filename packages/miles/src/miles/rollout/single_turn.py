@@ -33,11 +33,12 @@ class SingleTurnRollout(SampleRollout):
 
     @classmethod
     def from_config(cls, config: RolloutConfig) -> Rollout:
-        """This rollout, or with --custom-generate-function-path the user's per-sample function."""
+        """This rollout, or with --custom-generate-function-path the user's per-sample function
+        (naming `generate_sample` itself is the built-in way, batched groups included)."""
         if config.custom_generate_function_path:
-            return CustomSampleRollout(
-                load_function(config.custom_generate_function_path, GENERATE_FLAG)
-            )
+            generate_fn = load_function(config.custom_generate_function_path, GENERATE_FLAG)
+            if generate_fn is not generate_sample:
+                return CustomSampleRollout(generate_fn)
         return cls()
 
     def check(self, rollout: RolloutConfig, data: DataSourceConfig) -> None:
@@ -91,6 +92,16 @@ class CustomSampleRollout(SampleRollout):
 
     def __init__(self, generate_fn: GenerateFunction) -> None:
         self.generate_fn = generate_fn
+
+    @classmethod
+    def from_config(cls, config: RolloutConfig) -> CustomSampleRollout:
+        if not config.custom_generate_function_path:
+            raise ValueError(
+                "miles.rollout.single_turn:CustomSampleRollout makes each sample with "
+                "--custom-generate-function-path; pass it (or drop --rollout-function-path for "
+                "the built-in single-turn rollout)"
+            )
+        return cls(load_function(config.custom_generate_function_path, GENERATE_FLAG))
 
     def check(self, rollout: RolloutConfig, data: DataSourceConfig) -> None:
         refuse_multi_turn_flags(rollout)
