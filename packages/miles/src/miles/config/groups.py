@@ -1,7 +1,7 @@
 """The setting groups that core owns: cluster, engine, training, checkpoint, eval and logging.
 
 Groups owned by a component live next to it (data: `miles.rollout.data_source`, rollout:
-`miles.rollout.generate`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
+`miles.rollout.rollout_config`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
 and the backend's group comes from its wheel. Each group checks its own fields; checks across groups
 live in `miles.config.cross_checks`.
 """

@@ -30,7 +30,7 @@ from miles.backends.sglang_utils.client import EngineError
 from miles.config.miles_config import MilesConfig
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement
-from miles.rollout.context import RequestSlots, RolloutContext
+from miles.rollout.context import DataSource, RequestSlots, RolloutContext, ScoreGroups
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
@@ -202,10 +202,10 @@ class RolloutManager:
 
     def _context(
         self,
-        source: Any,
+        source: DataSource,
         rollout: RolloutConfig,
         data: DataSourceConfig,
-        score_groups: Any,
+        score_groups: ScoreGroups,
     ) -> RolloutContext:
         """What a rollout made from `source` with `rollout`'s settings reads."""
         return RolloutContext(
@@ -383,8 +383,10 @@ class RolloutManager:
         if self._fully_async is not None:
             await self._fully_async.stop()
             self._fully_async = None
-        await self.reward_hub.aclose()
-        await self.engines.dispose()
+        try:
+            await self.engines.dispose()
+        finally:
+            await self.reward_hub.aclose()
 
     # -- fully-async generation (miles.rollout.fully_async) ---------------------------------
 

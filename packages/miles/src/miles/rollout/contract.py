@@ -31,11 +31,8 @@ __all__ = ["Rollout"]
 
 
 class Rollout(abc.ABC):
-    """How a run makes its samples.
-
-    Capabilities (class attributes a subclass sets where it differs), read by the config's
-    checks before anything starts:
-    """
+    """How a run makes its samples. The class attributes below are its capabilities (a subclass
+    sets those where it differs); the configuration's checks read them before anything starts."""
 
     makes_groups: ClassVar[bool] = True
     """`generate_group` makes this rollout's own groups, so fully-async generation (which runs
@@ -47,7 +44,8 @@ class Rollout(abc.ABC):
 
     @classmethod
     def from_config(cls, config: RolloutConfig) -> Self:
-        """The rollout for a run with these settings (called once per process that runs it)."""
+        """The rollout for a run with these settings. Called wherever the rollout is loaded: by
+        the configuration's checks and by the rollout manager, so keep it cheap."""
         del config
         return cls()
 
