@@ -256,7 +256,8 @@ def test_load_defaults_to_save_and_paths_become_absolute():
                 "tis",
                 "--partial-rollout",
                 "--custom-generate-function-path",
-                "miles.rollout.sample_generation:generate_sample",
+                # Any function but generate_sample itself (the built-in way) is custom generation.
+                "tests.e2e.agents:two_turns",
             ],
             "only the built-in single-turn generation",
         ),
