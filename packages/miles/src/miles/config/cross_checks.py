@@ -31,7 +31,11 @@ def check_placement(cluster: ClusterConfig, distillation: DistillationConfig) ->
 
 
 def check_async_modes(
-    cluster: ClusterConfig, training: TrainingConfig, rollout: RolloutConfig, algorithm: LossConfig
+    cluster: ClusterConfig,
+    training: TrainingConfig,
+    rollout: RolloutConfig,
+    algorithm: LossConfig,
+    made: Rollout,
 ) -> None:
     """--async-train, --fully-async and --update-weights-interval: each trains on samples of
     older weights than the trainer's."""
@@ -74,10 +78,10 @@ def check_async_modes(
                 raise ValueError(f"{flag} ({value}) is only read with --fully-async; add it or "
                                  "drop the flag")  # fmt: skip
         return
-    _check_fully_async(training, rollout)
+    _check_fully_async(training, rollout, made)
 
 
-def _check_fully_async(training: TrainingConfig, rollout: RolloutConfig) -> None:
+def _check_fully_async(training: TrainingConfig, rollout: RolloutConfig, made: Rollout) -> None:
     buffer_groups = training.fully_async_buffer_groups
     assert buffer_groups is not None, "derived by derivation.fully_async_buffer_groups"
     if buffer_groups < rollout.rollout_batch_size:
@@ -85,23 +89,34 @@ def _check_fully_async(training: TrainingConfig, rollout: RolloutConfig) -> None
             f"--fully-async-buffer-groups ({buffer_groups}) must hold a "
             f"train step's --rollout-batch-size ({rollout.rollout_batch_size}) groups; raise it"
         )
-    check_rollout_function(rollout, for_flag="--fully-async")
+    check_rollout_function(made, rollout, for_flag="--fully-async")
 
 
-def check_rollout(rollout: RolloutConfig, data: DataSourceConfig) -> None:
-    """The run's rollout (--rollout-function-path) loads and accepts these settings
-    (`Rollout.check`: the multi-turn flags with the single-turn rollout, a tool rollout without
-    --tool-paths or --apply-chat-template, ...)."""
-    _rollout(rollout).check(rollout, data)
+def load_run_rollout(rollout: RolloutConfig) -> Rollout:
+    """The rollout --rollout-function-path names, loaded as the rollout manager will load it:
+    once per configuration, for the checks below."""
+    # Deferred: the rollout modules import the engine client, which `miles train --help` never
+    # needs.
+    from miles.rollout.loader import load_rollout
+
+    return load_rollout(rollout)
+
+
+def check_rollout(made: Rollout, rollout: RolloutConfig, data: DataSourceConfig) -> None:
+    """The run's rollout accepts these settings (`Rollout.check`: the multi-turn flags with the
+    single-turn rollout, a tool rollout without --tool-paths or --apply-chat-template, ...)."""
+    made.check(rollout, data)
 
 
 def check_rollout_function(
-    rollout: RolloutConfig, *, for_flag: Literal["--fully-async", "--use-rollout-routing-replay"]
+    made: Rollout,
+    rollout: RolloutConfig,
+    *,
+    for_flag: Literal["--fully-async", "--use-rollout-routing-replay"],
 ) -> None:
     """What `for_flag` needs of the run's rollout, read from its capabilities
     (`miles.rollout.contract.Rollout`). Each feature calls it where its other checks run, so a
     configuration with several mistakes reports its errors in a fixed order."""
-    made = _rollout(rollout)
     if for_flag == "--use-rollout-routing-replay":
         if not made.returns_routed_experts:
             raise ValueError(
@@ -124,15 +139,6 @@ def check_rollout_function(
             "which only the built-in single-turn generation can; drop --partial-rollout for "
             "multi-turn or custom generation (their requests then finish on the old weights)"
         )
-
-
-def _rollout(rollout: RolloutConfig) -> Rollout:
-    """The rollout the settings name, loaded as the rollout manager will load it."""
-    # Deferred: the rollout modules import the engine client, which `miles train --help` and the
-    # configuration's own tests never need.
-    from miles.rollout.loader import load_rollout
-
-    return load_rollout(rollout)
 
 
 def check_reference_model(algorithm: LossConfig, checkpoint: CheckpointConfig) -> None:
@@ -198,6 +204,7 @@ def check_routing_replay(
     rollout: RolloutConfig,
     checkpoint: CheckpointConfig,
     cluster: ClusterConfig,
+    made: Rollout,
 ) -> None:
     """R3 and R2 replay a MoE model's routing; R3 asks the engines for it on every request."""
     flag = (
@@ -220,7 +227,7 @@ def check_routing_replay(
     if cluster.train_backend != "fsdp":
         raise ValueError(f"{flag} is implemented by the FSDP backend; use --train-backend fsdp")
     if training.use_rollout_routing_replay:
-        check_rollout_function(rollout, for_flag="--use-rollout-routing-replay")
+        check_rollout_function(made, rollout, for_flag="--use-rollout-routing-replay")
 
 
 def check_fault_tolerance(engine: EngineConfig, cluster: ClusterConfig) -> None:

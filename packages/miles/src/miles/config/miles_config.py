@@ -84,11 +84,12 @@ class MilesConfig:
             self.cluster, self.training, self.rollout, self.checkpoint
         )  # fmt: skip
         cross_checks.check_placement(cluster, self.distillation)
-        cross_checks.check_rollout(rollout, self.data)
-        cross_checks.check_async_modes(cluster, training, rollout, self.algorithm)
+        made = cross_checks.load_run_rollout(rollout)
+        cross_checks.check_rollout(made, rollout, self.data)
+        cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)
         cross_checks.check_reference_model(self.algorithm, checkpoint)
         cross_checks.check_distillation(self.distillation, self.algorithm, checkpoint, training)
-        cross_checks.check_routing_replay(training, rollout, checkpoint, cluster)
+        cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)
         cross_checks.check_labels(self.reward, self.data)
         cross_checks.check_parallel_sizes(

@@ -44,8 +44,8 @@ class Rollout(abc.ABC):
 
     @classmethod
     def from_config(cls, config: RolloutConfig) -> Self:
-        """The rollout for a run with these settings. Called wherever the rollout is loaded: by
-        the configuration's checks and by the rollout manager, so keep it cheap."""
+        """The rollout for a run with these settings. Called wherever the rollout is loaded:
+        once by the configuration's checks and once in the rollout manager."""
         del config
         return cls()
 
