@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.rollout.context import RequestSlots, RolloutContext
+from miles.rollout.context import RolloutContext
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rollout_config import RolloutConfig
 
@@ -31,5 +31,4 @@ def rollout_context(
         tokenizer=tokenizer,
         chat_template=data.chat_template,
         model_path=model_path,
-        requests=RequestSlots(config.rollout_concurrency),
     )

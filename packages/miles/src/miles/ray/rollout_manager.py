@@ -30,7 +30,7 @@ from miles.backends.sglang_utils.client import EngineError
 from miles.config.miles_config import MilesConfig
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement
-from miles.rollout.context import DataSource, RequestSlots, RolloutContext, ScoreGroups
+from miles.rollout.context import DataSource, RolloutContext, ScoreGroups
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
 from miles.rollout.engine_pool import EnginePool
 from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
@@ -217,7 +217,6 @@ class RolloutManager:
             tokenizer=self._loaded().tokenizer,
             chat_template=data.chat_template,
             model_path=self.config.checkpoint.hf_checkpoint,
-            requests=RequestSlots(rollout.rollout_concurrency),
         )
 
     def _train_context(self) -> RolloutContext:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.backends.training_utils.batching.sample import Sample
@@ -32,7 +31,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclasses.dataclass
 class RolloutOutput:
     """The kept groups, in the order their prompts were submitted, and the rollout's metrics."""
 
@@ -72,7 +71,7 @@ class RequestSlots:
             yield not self.closed
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutContext:
     """Everything a rollout reads: typed settings and shared objects, never the whole run config.
 
@@ -94,12 +93,16 @@ class RolloutContext:
     """How a chat is rendered (the data settings' template, read once)."""
     model_path: str
     """--hf-checkpoint: the served model's path (the name an OpenAI client asks for)."""
-    requests: RequestSlots
-    """This rollout's request slots; `run_groups` replaces them with fresh ones for its run."""
+    requests: RequestSlots = dataclasses.field(init=False)
+    """This rollout's request slots (--rollout-concurrency), made with the context; `run_groups`
+    runs on a fresh copy of the context, so each of its runs has its own."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", RequestSlots(self.rollout.rollout_concurrency))
 
     def with_fresh_requests(self) -> RolloutContext:
         """The same context with new, open request slots (one set per rollout made)."""
-        return dataclasses.replace(self, requests=RequestSlots(self.rollout.rollout_concurrency))
+        return dataclasses.replace(self)
 
 
 GroupGenerator = Callable[[RolloutContext, list[Sample]], Awaitable[list[Sample]]]
