@@ -352,7 +352,7 @@ def test_packed_logits_at_response_positions_are_those_of_the_whole_row(
 
 REFUSED = [
     # (FSDPArgs overrides, LossConfig overrides, role, the flag the error must name)
-    ({"lora_rank": 8}, {}, "actor", "--lora-rank"),
+    ({"lora_rank": -8}, {}, "actor", "--lora-rank"),
     ({"context_parallel_size": 2}, {}, "actor", "--context-parallel-size"),
     ({"attn_implementation": "flash_attention_2"}, {}, "actor", "--attn-implementation"),
     ({"fsdp_cpu_offload": True}, {}, "actor", "--fsdp-cpu-offload"),

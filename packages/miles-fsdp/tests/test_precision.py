@@ -8,7 +8,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from miles.backends.fsdp_utils.arguments import FSDPArgs
-from miles.backends.fsdp_utils.precision import PrecisionPolicy, hf_parameter_name
+from miles.backends.fsdp_utils.param_names import hf_parameter_name
+from miles.backends.fsdp_utils.precision import PrecisionPolicy
 
 
 @pytest.mark.parametrize(

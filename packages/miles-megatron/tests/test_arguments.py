@@ -237,3 +237,8 @@ def test_padded_vocab_is_the_smallest_aligned_size_that_fits(vocab, divisible_by
     multiple = divisible_by * tp
     assert padded % multiple == 0
     assert vocab <= padded < vocab + multiple
+
+
+def test_lora_is_refused_naming_the_fsdp_backend():
+    with pytest.raises(ValueError, match=r"^--lora-rank 8: .*use --train-backend fsdp$"):
+        MegatronArgs(lora_rank=8)

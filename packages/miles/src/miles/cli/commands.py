@@ -67,8 +67,9 @@ def run_export_hf(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    options = {"adapter_only": True} if args.adapter_only else {}
     try:
-        source = export(args.checkpoint, args.out_dir, hf_checkpoint=args.hf_checkpoint)
+        source = export(args.checkpoint, args.out_dir, hf_checkpoint=args.hf_checkpoint, **options)
     except (FileNotFoundError, ValueError) as err:
         print(f"miles export-hf: error: {err}", file=sys.stderr)
         return 2

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", metavar="OUT_DIR")
     export.add_argument("--hf-checkpoint", default=None, help="config/tokenizer source")
     export.add_argument("--train-backend", default="fsdp")
+    export.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run's adapter as a PEFT directory (adapter_config.json, "
+        "adapter_model.safetensors) instead of the merged model",
+    )
     export.set_defaults(handler=run_export_hf)
     return parser
 

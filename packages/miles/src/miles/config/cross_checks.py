@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
     from miles.config.groups import CheckpointConfig, ClusterConfig, EngineConfig, TrainingConfig
+    from miles.config.trainer_args import TrainerArgs
     from miles.rollout.contract import Rollout
     from miles.rollout.data_source import DataSourceConfig
     from miles.rollout.rewards import RewardConfig
@@ -157,6 +158,19 @@ def check_reference_model(algorithm: LossConfig, checkpoint: CheckpointConfig) -
                 f"{flag} ({value}) sets up the reference model, which only --kl-coef or "
                 "--use-kl-loss reads; add one of them or drop the flag"
             )
+
+
+def check_lora(backend: TrainerArgs | None, checkpoint: CheckpointConfig) -> None:
+    """LoRA shares the frozen base with the reference model (the policy with its adapters off),
+    so the reference cannot move to the policy."""
+    if backend is None or not backend.uses_lora:
+        return
+    if checkpoint.ref_update_interval is not None:
+        raise ValueError(
+            f"--ref-update-interval ({checkpoint.ref_update_interval}) copies the policy into the "
+            f"reference model, but with --lora-rank {backend.lora_rank} the reference is the "
+            "frozen base (the policy with its adapters off); drop --ref-update-interval"
+        )
 
 
 def check_distillation(

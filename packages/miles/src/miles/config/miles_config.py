@@ -88,6 +88,7 @@ class MilesConfig:
         cross_checks.check_rollout(made, rollout, self.data)
         cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)
         cross_checks.check_reference_model(self.algorithm, checkpoint)
+        cross_checks.check_lora(self.backend, checkpoint)
         cross_checks.check_distillation(self.distillation, self.algorithm, checkpoint, training)
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)
@@ -111,6 +112,11 @@ class MilesConfig:
         self.engine.engine_log_dir = paths.absolute(self.engine.engine_log_dir)
         training.save_debug_rollout_data = paths.absolute(training.save_debug_rollout_data)
         training.load_debug_rollout_data = paths.absolute(training.load_debug_rollout_data)
+        if self.backend is not None:
+            self.backend.lora_adapter_path = paths.absolute(self.backend.lora_adapter_path)
+            self.backend.lora_sync_dir = paths.absolute(self.backend.lora_sync_dir)
+            # The backend's own settings against the model, before anything starts.
+            self.backend.check_checkpoint(checkpoint.hf_checkpoint)
 
     @classmethod
     def from_values(cls, schema: Schema, values: dict[str, Any]) -> MilesConfig:

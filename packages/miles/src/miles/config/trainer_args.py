@@ -12,12 +12,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
+from miles.config.lora_args import LoraArgs
 from miles.config.options import flag_name as flag
 
 
 @dataclass(kw_only=True)
-class TrainerArgs:
-    """Optimizer, schedule, batching and weight-push settings shared by the training backends."""
+class TrainerArgs(LoraArgs):
+    """Optimizer, schedule, batching and weight-push settings shared by the training backends,
+    and the LoRA settings of `LoraArgs`."""
 
     lr: float = 1e-6
     """Peak learning rate (after warmup)."""
@@ -79,6 +81,11 @@ class TrainerArgs:
         self._check_ranges()
         self._check_schedule()
         self._check_batching()
+        self._check_lora()
+
+    def check_checkpoint(self, hf_checkpoint: str) -> None:
+        """Refuse settings that do not fit the model of `hf_checkpoint` (a local directory),
+        when the config is built; a backend with such settings overrides this."""
 
     def _check_choices(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -57,14 +57,11 @@ class FSDPArgs(TrainerArgs):
     on CPU. Master weights and optimizer states stay float32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter / all-reduce."""
-    lora_rank: int = 0
-    """LoRA adapter rank; the FSDP backend supports only 0 (full fine-tuning) for now."""
     use_critic: bool = False
     """Train a value model; the FSDP backend has no critic yet."""
 
     MINIMUMS: typing.ClassVar[dict[str, float]] = {
         **TrainerArgs.MINIMUMS,
-        "lora_rank": 0,
         "dp_replicate_size": 1,
         "context_parallel_size": 1,
     }
@@ -77,6 +74,13 @@ class FSDPArgs(TrainerArgs):
                 f"--moe-aux-loss-coef ({self.moe_aux_loss_coef}) must be >= 0 (0 turns it off)"
             )
 
+    def check_checkpoint(self, hf_checkpoint: str) -> None:
+        if self.uses_lora:
+            # Imported here: the check builds the model on the meta device (torch, PEFT).
+            from miles.backends.fsdp_utils.lora import check_lora_checkpoint
+
+            check_lora_checkpoint(self, hf_checkpoint)
+
 
 def _check_unsupported(args: FSDPArgs) -> None:
     if args.context_parallel_size > 1:
@@ -84,11 +88,6 @@ def _check_unsupported(args: FSDPArgs) -> None:
             f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
             "supported yet by the FSDP backend; use --context-parallel-size 1 (or the Megatron "
             "backend)"
-        )
-    if args.lora_rank > 0:
-        raise ValueError(
-            f"--lora-rank {args.lora_rank}: LoRA is not supported by the FSDP backend; use "
-            "--lora-rank 0 (full fine-tuning)"
         )
     if args.use_critic:
         raise ValueError(

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.lr_scheduler import LRScheduler
 
-from miles.backends.fsdp_utils.precision import hf_parameter_name
+from miles.backends.fsdp_utils.lora import has_adapters, merged_state_dict
+from miles.backends.fsdp_utils.param_names import hf_parameter_name
 from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
@@ -44,6 +45,9 @@ from miles.utils.checkpoint_layout import (
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
+LORA_CONFIG_KEY = "lora_config"
+"""meta.json's `extra` entry of a LoRA run: the adapter_config.json of the saved adapters, which
+alone the checkpoint holds (the base is the run's --hf-checkpoint)."""
 FORMAT_VERSION = 1
 # Hugging Face's default shard size: large models export as several files plus an index.
 MAX_SHARD_BYTES = 5 * 2**30
@@ -82,6 +86,7 @@ def save_checkpoint(
     lr_scheduler: LRScheduler | None,
     extra_meta: dict | None = None,
     commit: bool = True,
+    trainable_only: bool = False,
 ) -> Path:
     """Save everything needed to resume after `rollout_id`; every rank must call it.
 
@@ -89,6 +94,7 @@ def save_checkpoint(
     and returned by `load_checkpoint`. The pointer file moves to this iteration only after every
     rank has written its part, so a crash mid-save leaves the previous checkpoint the latest.
     `commit=False` leaves the pointer to the caller (`checkpoint_layout.commit_checkpoint`).
+    `trainable_only`: the parameters that train (LoRA adapters), not the frozen ones.
     """
     if rollout_id < 0:
         raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
@@ -102,7 +108,9 @@ def save_checkpoint(
     # An optimizer that never stepped has no state; asking DCP for it would create it by taking a
     # zero step, which advances Adam's step count and changes every later update.
     save_optimizer = optimizer is not None and bool(optimizer.state)
-    model_state, optim_state = _states(model, optimizer if save_optimizer else None)
+    model_state, optim_state = _states(
+        model, optimizer if save_optimizer else None, trainable_only=trainable_only
+    )
     _dcp_save(model_state, path / "model")
     if save_optimizer:
         _dcp_save(optim_state, path / "optimizer")
@@ -118,6 +126,7 @@ def save_checkpoint(
             "lr_scheduler_steps": None if lr_scheduler is None else lr_scheduler.last_epoch,
             "has_optimizer": save_optimizer,
             "has_lr_scheduler": lr_scheduler is not None,
+            "trainable_only": trainable_only,
             "extra": json.loads(extra_json),
         }
         atomic_write_text(path / META_FILE, json.dumps(meta, indent=2))
@@ -135,6 +144,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: LRScheduler | None,
     rollout_id: int | None = None,
+    trainable_only: bool = False,
 ) -> dict | None:
     """Restore a checkpoint into the given objects and this rank's RNGs; every rank must call it.
 
@@ -157,7 +167,14 @@ def load_checkpoint(
             f"finish); load an earlier iteration, or point {POINTER_FILE} at a complete one"
         )
     meta = json.loads((path / META_FILE).read_text())
-    _load_model_and_optimizer(path, meta, model, optimizer)
+    if bool(meta.get("trainable_only", False)) != trainable_only:
+        saved = "LoRA adapters only" if meta.get("trainable_only") else "every weight"
+        raise ValueError(
+            f"checkpoint {path} holds {saved}, but this run "
+            f"{'trains LoRA adapters' if trainable_only else 'trains every weight'}; resume "
+            "with the --lora-rank it was saved with, or start a fresh --save directory"
+        )
+    _load_model_and_optimizer(path, meta, model, optimizer, trainable_only=trainable_only)
     if lr_scheduler is not None:
         if not meta["has_lr_scheduler"]:
             raise ValueError(f"{path} holds no lr scheduler state; pass lr_scheduler=None")
@@ -170,7 +187,12 @@ def load_checkpoint(
 
 
 def _load_model_and_optimizer(
-    path: Path, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path,
+    meta: dict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trainable_only: bool,
 ) -> None:
     if optimizer is not None and not meta["has_optimizer"]:
         # Saved before the first optimizer step: the fresh optimizer already matches it.
@@ -179,22 +201,32 @@ def _load_model_and_optimizer(
         )
         optimizer = None
     # The current (possibly sharded) state dicts are the templates DCP loads into in place.
-    model_state, optim_state = _states(model, optimizer)
+    model_state, optim_state = _states(model, optimizer, trainable_only=trainable_only)
+    options = _options(trainable_only)
     _dcp_load(model_state, path / "model")
     if optimizer is None:
-        set_model_state_dict(model, model_state)
+        set_model_state_dict(model, model_state, options=options)
         return
     _dcp_load(optim_state, path / "optimizer")
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        options=options,
+    )  # fmt: skip
 
 
 def _states(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Model and optimizer state dicts keyed by parameter name, sharded as they live in memory."""
+    options = _options(trainable_only)
     if optimizer is None:
-        return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+        return get_model_state_dict(model, options=options), None
+    return get_state_dict(model, optimizer, options=options)
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    # Without the frozen parameters the state is partial: loading it must not ask for them.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def _save_rng(path: Path) -> None:
@@ -252,6 +284,8 @@ def export_hf(
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(model, options=options)  # a collective: every rank gathers
+    if _rank() == 0 and has_adapters(model):
+        full_state = merged_state_dict(model, full_state)  # a LoRA policy exports merged
     if _rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -274,13 +308,16 @@ def export_checkpoint_to_hf(
     *,
     hf_checkpoint: str | None = None,
     dtype: torch.dtype | None = None,
+    adapter_only: bool = False,
 ) -> Path:
     """Offline `miles export-hf`: a saved checkpoint (a --save directory, whose latest iteration
     is used, or one `iter_*` directory) as a Hugging Face directory, in one process.
 
     The model is rebuilt from the config of `hf_checkpoint` (default: the one the run trained,
     recorded in meta.json) and DCP reshards the saved weights into it, whatever the world size
-    that saved them. `dtype` defaults to the original checkpoint's.
+    that saved them. `dtype` defaults to the original checkpoint's. A LoRA run's checkpoint holds
+    its adapters only: they go onto `hf_checkpoint`'s weights, and the export is the merged
+    model, or with `adapter_only` the PEFT adapter directory.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -301,15 +338,50 @@ def export_checkpoint_to_hf(
             "--hf-checkpoint (its config and tokenizer are copied into the export)"
         )
     config = AutoConfig.from_pretrained(source)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    state = get_model_state_dict(model)
-    _dcp_load(state, path / "model")
-    set_model_state_dict(model, state)
+    lora = meta.get("extra", {}).get(LORA_CONFIG_KEY)
+    if lora is None and adapter_only:
+        raise ValueError(
+            f"{path} holds a fully fine-tuned model, not LoRA adapters; drop --adapter-only"
+        )
+    if lora is not None:
+        model = _merged_or_adapter(path, source, lora, out_dir, adapter_only=adapter_only)
+        if model is None:
+            return path
+    else:
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        state = get_model_state_dict(model)
+        _dcp_load(state, path / "model")
+        set_model_state_dict(model, state)
     export_dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(export_dtype, str):
         export_dtype = getattr(torch, export_dtype)
     export_hf(model, out_dir, config=config, tokenizer_path=source, dtype=export_dtype)
     return path
+
+
+def _merged_or_adapter(
+    path: Path, source: str, lora: dict[str, Any], out_dir: str | os.PathLike, *, adapter_only: bool
+) -> torch.nn.Module | None:
+    """A LoRA checkpoint's adapters on `source`'s weights: with `adapter_only` written to
+    `out_dir` as a PEFT adapter directory (returns None), else the merged model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = LoraConfig.from_peft_type(**lora)
+    config.inference_mode = False  # trainable while the saved state goes in
+    adapted = get_peft_model(base, config)
+    options = _options(trainable_only=True)
+    state = get_model_state_dict(base, options=options)
+    _dcp_load(state, path / "model")
+    set_model_state_dict(base, state, options=options)
+    if adapter_only:
+        adapted.peft_config["default"].base_model_name_or_path = str(source)
+        adapted.peft_config["default"].inference_mode = True
+        adapted.save_pretrained(str(out_dir))
+        logger.info("exported the LoRA adapter of %s to %s", path, out_dir)
+        return None
+    return adapted.merge_and_unload()
 
 
 def _hf_tensors(

@@ -13,7 +13,9 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.arguments import FSDPArgs
+from miles.backends.fsdp_utils.lora import (
+    adapter_config,
+    adapter_weights,
+    adapters_disabled,
+    merged_weights,
+)
 from miles.backends.fsdp_utils.lr_scheduler import get_lr_scheduler
 from miles.backends.fsdp_utils.modeling import (
     build_fsdp_model,
@@ -62,6 +70,7 @@ from miles.backends.training_utils.step.train_engine import (
     OptimizerStepResult,
     paired_reference_parameters,
 )
+from miles.config.lora_args import LoraArgs
 from miles.train_backend.run_spec import TrainRunSpec
 
 logger = logging.getLogger(__name__)
@@ -100,6 +109,7 @@ class FSDPEngine:
         self.context_parallel_size = 1  # FSDPArgs refuses more
         self.precision = PrecisionPolicy.from_args(args, get_device_info().kind)
         self.engine_dtype = self.precision.engine_dtype
+        self.lora: LoraArgs | None = args if args.uses_lora else None
         self.model = self._build_model(meshes["fsdp"], trainable=True)
         self.routing = (
             PackedRouting(self.model, spec.routing_replay, args.attn_implementation)
@@ -113,7 +123,15 @@ class FSDPEngine:
         )
         # --ref-load: a reference model other than the start checkpoint.
         self.ref_checkpoint = spec.ref_load or spec.hf_checkpoint
-        self.ref_model = self._build_model(meshes["fsdp"], trainable=False) if with_ref else None
+        # LoRA: the policy with its adapters off is the start checkpoint, the reference itself.
+        self.ref_is_base = (
+            with_ref and self.lora is not None and self.ref_checkpoint == spec.hf_checkpoint
+        )
+        self.ref_model = (
+            self._build_model(meshes["fsdp"], trainable=False)
+            if with_ref and not self.ref_is_base
+            else None
+        )
         # --ref-load may name another architecture than the policy's: each model says for itself.
         self.sharing_models = {
             id(model)
@@ -123,8 +141,9 @@ class FSDPEngine:
         # fused: one kernel over all parameters. On CPU it took 2.6 ms a step against 12-16 ms
         # for foreach (3.2M parameters, one thread) and 12% of a small model's step for the
         # per-parameter loop, torch's CPU default. foreach where the device has no fused kernel.
+        # Only what trains has optimizer state: with LoRA, the adapters (the base is frozen).
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=args.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
@@ -154,6 +173,7 @@ class FSDPEngine:
             cpu_offload=offload,
             gradient_checkpointing=self.args.gradient_checkpointing,
             trainable=trainable,
+            lora=self.lora if trainable else None,
         )
 
     def _moe_stats(self, args: FSDPArgs) -> MoEStats | None:
@@ -228,7 +248,7 @@ class FSDPEngine:
     def forward_log_probs(
         self, micro_batches: Sequence[RolloutBatch], *, reference: bool = False
     ) -> list[Tensor]:
-        model = self.ref_model if reference else self.model
+        model = self.model if not reference or self.ref_is_base else self.ref_model
         if model is None:
             raise RuntimeError("reference log-probs asked of an engine built without with_ref")
         was_training = model.training
@@ -236,7 +256,8 @@ class FSDPEngine:
         phase: Phase | None = None if reference else "old_policy"
         if self.routing is not None and not reference:
             self.routing.start_old_policy_pass()
-        with torch.no_grad():
+        base = adapters_disabled(model) if reference and self.ref_is_base else nullcontext()
+        with torch.no_grad(), base:
             out = [self._log_probs(model, micro, phase)[0].float().cpu() for micro in micro_batches]
         model.train(was_training)
         return out
@@ -301,6 +322,11 @@ class FSDPEngine:
     def update_reference(self) -> None:
         """Copy the policy's shards into the reference model's: both are sharded alike, so each
         rank copies its own shards, in float32, with no communication."""
+        if self.ref_is_base:
+            raise ValueError(
+                "--ref-update-interval: with LoRA the reference is the frozen base the policy "
+                "shares (its adapters off), which cannot take the policy's weights"
+            )
         if self.ref_model is None:
             raise RuntimeError("update_reference() asked of an engine built without with_ref")
         for model in (self.model, self.ref_model):  # the root may still hold gathered weights
@@ -338,14 +364,33 @@ class FSDPEngine:
     # -- weights, checkpoints, memory ---------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        if self.lora is not None:
+            # The base never changes: only the adapted layers, merged, are new to an engine.
+            return merged_weights(self.model, self.engine_dtype)
         # Engines take MoE experts per expert, as checkpoints hold them (SGLang's loaders).
         return split_fused_experts(iter_full_tensors(self.model, self.engine_dtype))
+
+    def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(PEFT name, full float32 tensor) of every adapter matrix (--lora-sync adapter);
+        a collective, every rank drains it."""
+        if self.lora is None:
+            raise RuntimeError("adapter_weights() of a model without LoRA adapters")
+        return adapter_weights(self.model)
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapter_config.json of the trained adapter."""
+        if self.lora is None:
+            raise RuntimeError("adapter_config() of a model without LoRA adapters")
+        return adapter_config(self.model, self.hf_checkpoint)
 
     def weights_on_device(self) -> contextlib.AbstractContextManager[None]:
         # A sleeping FSDP model sits in host memory, where its shards stay readable.
         return contextlib.nullcontext()
 
     def save(self, directory: str, rollout_id: int, extra: dict, *, commit: bool = True) -> None:
+        if self.lora is not None:
+            # The adapters alone are saved (the base is --hf-checkpoint); export rebuilds them.
+            extra = {**extra, checkpoint.LORA_CONFIG_KEY: self.adapter_config()}
         checkpoint.save_checkpoint(
             directory,
             rollout_id,
@@ -354,12 +399,14 @@ class FSDPEngine:
             lr_scheduler=self.lr_scheduler,
             extra_meta=extra,
             commit=commit,
+            trainable_only=self.lora is not None,
         )
 
     def load(self, directory: str) -> LoadedCheckpoint | None:
         meta = checkpoint.load_checkpoint(
-            directory, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
-        )
+            directory, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            trainable_only=self.lora is not None,
+        )  # fmt: skip
         if meta is None:
             return None
         return LoadedCheckpoint(rollout_id=int(meta["rollout_id"]), extra=meta.get("extra", {}))

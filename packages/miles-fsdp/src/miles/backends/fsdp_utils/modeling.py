@@ -18,8 +18,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
+from miles.backends.fsdp_utils.lora import add_adapters
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
 from miles.backends.training_utils.batching.packing import PackedBatch
+from miles.config.lora_args import LoraArgs
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,13 @@ def build_fsdp_model(
     cpu_offload: bool,
     gradient_checkpointing: bool,
     trainable: bool = True,
+    lora: LoraArgs | None = None,
 ) -> nn.Module:
     """Load the checkpoint on rank 0, shard it over `mesh`, and give every rank its shards.
+
+    `lora`: add PEFT adapters to the targeted layers before sharding (the base frozen); rank 0
+    initialises them (or reads --lora-adapter-path) and the other ranks receive them with the
+    weights.
 
     Order as in torchtitan: activation checkpointing is set on the layers before they become
     FSDP units; each decoder layer is its own unit (one all-gather per layer, overlapped with
@@ -49,7 +56,6 @@ def build_fsdp_model(
         model = AutoModelForCausalLM.from_pretrained(
             hf_checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
         )
-        full_state = model.state_dict()
     else:
         # Same architecture, no memory: rank 0's weights arrive after sharding.
         with torch.device("meta"):
@@ -58,6 +64,10 @@ def build_fsdp_model(
             )
     model.config.use_cache = False
     enable_gdn_packing(model)  # before the forward ever sees a packed row
+    if lora is not None:
+        add_adapters(model, lora, load_weights=rank == 0)
+    if rank == 0:
+        full_state = model.state_dict()  # what the other ranks receive (with the adapters)
     if gradient_checkpointing and trainable:
         # Non-reentrant: it composes with FSDP2's autograd hooks (the reentrant one does not).
         if hasattr(model, "activation_checkpointing_enable"):  # the newer transformers name

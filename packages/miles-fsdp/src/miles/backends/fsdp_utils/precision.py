@@ -14,21 +14,12 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from miles.backends.fsdp_utils.arguments import FSDPArgs
+from miles.backends.fsdp_utils.param_names import hf_parameter_name
 from miles.backends.training_utils.infra.device import DEVICE_KINDS
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Module wrappers that insert a path component into parameter names: activation checkpointing
-# (torch's checkpoint_wrapper) and torch.compile. Engines and HF checkpoints know neither.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def hf_parameter_name(fqn: str) -> str:
-    """`fqn` of the trained model with wrapper path components removed: the Hugging Face name."""
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from miles.backends.fsdp_utils.precision import hf_parameter_name
+from miles.backends.fsdp_utils.param_names import hf_parameter_name
 from miles.backends.training_utils.infra.device import current_device
 
 
@@ -32,17 +32,22 @@ def iter_full_tensors(
     persistent = set(model.state_dict().keys())
     named = list(model.named_parameters())
     named += [(n, b) for n, b in model.named_buffers() if n in persistent]
-    # Shards offloaded to the host (--fsdp-cpu-offload) visit the device for an nccl gather.
-    gather_device = current_device() if _backend() not in (None, "gloo") else None
     for name, tensor in named:
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        if isinstance(tensor, DTensor):
-            if gather_device is not None and tensor.device != gather_device:
-                tensor = tensor.to(gather_device)
-            tensor = tensor.full_tensor()
-        yield hf_parameter_name(name), tensor
+        yield hf_parameter_name(name), full_tensor(tensor, dtype)
+
+
+def full_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole of a (sharded) parameter, detached; a collective for a DTensor. A floating
+    tensor is cast to `dtype` on the local shard, before the gather moves its bytes."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    if not isinstance(tensor, DTensor):
+        return tensor
+    # Shards offloaded to the host (--fsdp-cpu-offload) visit the device for an nccl gather.
+    if _backend() not in (None, "gloo") and tensor.device != current_device():
+        tensor = tensor.to(current_device())
+    return tensor.full_tensor()
 
 
 def _backend() -> str | None:

@@ -57,6 +57,7 @@ class MegatronArgs(TrainerArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_no_lora(self)
         _check_parallel(self)
 
     @property
@@ -66,6 +67,14 @@ class MegatronArgs(TrainerArgs):
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
+        )
+
+
+def _check_no_lora(args: MegatronArgs) -> None:
+    if args.uses_lora:
+        raise ValueError(
+            f"--lora-rank {args.lora_rank}: the Megatron backend does not train LoRA adapters; "
+            "use --train-backend fsdp"
         )
 
 
