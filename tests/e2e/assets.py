@@ -23,3 +23,22 @@ def tiny_run_assets(
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return checkpoint, data
+
+
+def random_lora_adapter(checkpoint: Path, out: Path, *, rank: int, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter (all-linear, alpha 2 * rank) of `checkpoint` with random, non-zero B
+    as well as A, so the adapted model differs from the base from the first token on (a fresh
+    adapter's B is zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    adapted = get_peft_model(model, config)
+    for name, param in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    adapted.save_pretrained(out)
+    return out

@@ -11,6 +11,7 @@ all three.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
-from tests.e2e.assets import tiny_run_assets
+from tests.e2e.assets import random_lora_adapter, tiny_run_assets
 from tools.compare_runs import compare_records
 
 pytestmark = pytest.mark.timeout(900)
@@ -116,6 +117,38 @@ def test_async_run_overlaps_generation_and_training(assets, tmp_path):
     )  # fmt: skip
     assert [r["rollout_id"] for r in records] == [0, 1, 2]
     assert all("train/loss" in r for r in records)
+
+
+# LoRA from a start adapter whose B is not zero, so the step-0 check sees an adapter that
+# changes the model: the engines must run base + adapter exactly as the trainer does.
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2",
+        "--check-weight-sync-tolerance", "1e-4"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        # The engine serves the base and loads each adapter version; KL against the base, which
+        # is the trained model with its adapters off.
+        ["--colocate", "--lora-sync", "adapter", "--use-kl-loss", "--kl-loss-coef", "0.1"],
+        # The engine gets the adapted layers merged; the fully-async loop.
+        ["--rollout-num-gpus", "1", "--lora-sync", "merged", "--fully-async",
+         "--off-policy-correction", "tis", "--max-weight-staleness", "1"],
+    ],
+    ids=["colocated-adapter-sync-kl", "disaggregated-merged-sync-fully-async"],
+)  # fmt: skip
+def test_a_lora_run_trains_and_its_engines_run_the_trainers_adapted_model(
+    assets, tmp_path, placement
+):
+    checkpoint, _ = assets
+    adapter = random_lora_adapter(checkpoint, tmp_path / "adapter", rank=4)
+    records = run(
+        assets, tmp_path / "run", "--num-rollout", "2", *LORA, "--lora-adapter-path",
+        str(adapter), *placement,
+    )  # fmt: skip
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert records[0]["check/logprob_abs_diff"] < 1e-4
+    assert all(math.isfinite(r["train/loss"]) for r in records)
 
 
 FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correction", "tis",

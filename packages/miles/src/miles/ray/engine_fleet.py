@@ -20,8 +20,10 @@ import ray
 from miles.backends.sglang_utils.client import EngineClient, EngineError
 from miles.backends.sglang_utils.router import RouterConfig, RouterProcess
 from miles.backends.sglang_utils.server_process import file_tail
+from miles.config.lora_args import ALL_LINEAR, LORA_ADAPTER_NAME
 from miles.config.miles_config import MilesConfig
 from miles.config.placement_plan import COLOCATED_ENGINE_SHARE
+from miles.config.trainer_args import TrainerArgs
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.placement import Placement
 from miles.ray.teacher_engines import TeacherEngines
@@ -79,7 +81,30 @@ def engine_launch_spec(
         "visible_devices": visible_devices,
         # Whatever makes the requests ask (--return-routed-experts, or R3 that sets it).
         "return_routed_experts": config.rollout.return_routed_experts,
+        **lora_serving(config.backend),
     }
+
+
+def served_adapter(config: MilesConfig) -> str | None:
+    """The adapter every rollout request names (SGLang's `lora_path`): the trained one when the
+    engines serve it beside the base (--lora-sync adapter); None when they serve merged weights."""
+    backend = config.backend
+    if backend is not None and backend.uses_lora and backend.lora_sync == "adapter":
+        return LORA_ADAPTER_NAME
+    return None
+
+
+def lora_serving(backend: TrainerArgs) -> dict[str, Any]:
+    """EngineLaunchSpec fields of an engine that serves the trained adapter (--lora-sync
+    adapter): LoRA on, room for --lora-rank, the targeted modules (SGLang's `all` when PEFT
+    picks them: all-linear, or a start adapter's own targets)."""
+    if not (backend.uses_lora and backend.lora_sync == "adapter"):
+        return {}
+    targets = backend.target_module_names()
+    if targets == ALL_LINEAR or backend.lora_adapter_path is not None:
+        targets = ["all"]
+    return {"enable_lora": True, "max_lora_rank": backend.lora_rank,
+            "lora_target_modules": list(targets)}  # fmt: skip
 
 
 class EngineFailedError(RuntimeError):
@@ -185,6 +210,7 @@ class EngineFleet:
             weights_timeout_s=self.config.engine.update_weights_timeout_s,
             fault_tolerant=self.fault_tolerant,
             api_key=self._admin_key,
+            lora_name=served_adapter(self.config),
         )
 
     # -- fault tolerance (architecture.md: "Fault tolerance") -----------------------------------

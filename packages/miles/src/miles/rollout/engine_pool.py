@@ -65,12 +65,15 @@ class EnginePool:
         weights_timeout_s: float = 1800.0,
         fault_tolerant: bool = False,
         api_key: str | None = None,
+        lora_name: str | None = None,
     ):
         """`timeout_s` bounds each /generate answer (`per_token_s`: sooner for short requests,
         `EngineTimeouts`), and with `fault_tolerant` also the wait for an engine to serve again;
         `control_timeout_s` / `weights_timeout_s` bound control and memory calls;
         `api_key`: the engines' admin key, sent on every call (it also
-        opens their inference routes)."""
+        opens their inference routes); `lora_name`: the LoRA adapter every request runs with
+        (SGLang's `lora_path`) unless it names its own, for engines that serve the trained
+        adapter beside the base."""
         if not engine_urls:
             raise ValueError(
                 "EnginePool needs at least one engine URL (control calls go to every engine, "
@@ -82,6 +85,7 @@ class EnginePool:
             raise ValueError(f"engine URLs must be distinct, got {engine_urls}")
         self.timeout_s = timeout_s
         self.fault_tolerant = fault_tolerant
+        self.lora_name = lora_name
         timeouts = EngineTimeouts(
             generate_s=timeout_s, per_token_s=per_token_s, control_s=control_timeout_s,
             weights_s=weights_timeout_s,
@@ -173,6 +177,8 @@ class EnginePool:
 
         With fault tolerance, raises `EngineLostError` when the engine leaves service before it
         answers (the caller sends the request again)."""
+        if self.lora_name is not None and payload.get("lora_path") is None:
+            payload = {**payload, "lora_path": self.lora_name}
         target = await self._pick_serving()
         # Picking and counting happen with no await in between, so concurrent callers see each
         # other's choices.

@@ -13,6 +13,7 @@ import abc
 import datetime
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -20,13 +21,18 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.sglang_utils.client import EngineTimeouts
-from miles.backends.sglang_utils.weight_sync import WeightUpdater, make_weight_updater
+from miles.backends.sglang_utils.weight_sync import (
+    WeightUpdater,
+    make_lora_adapter_updater,
+    make_weight_updater,
+)
 from miles.backends.training_utils.algorithms.algorithm import Algorithm
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 from miles.backends.training_utils.infra.device import dist_backend, set_device
-from miles.backends.training_utils.step.train_engine import TrainEngine
+from miles.backends.training_utils.step.train_engine import TrainEngine, TrainsAdapters
 from miles.backends.training_utils.step.trainer import PolicyTrainer
+from miles.config.lora_args import LORA_ADAPTER_NAME
 from miles.config.trainer_args import TrainerArgs
 from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.checkpoint_layout import commit_checkpoint
@@ -73,6 +79,7 @@ class TrainRayActor(abc.ABC):
         self.engine_urls: tuple[str, ...] = ()
         self._engine_admin_key: str | None = None
         self._updater: WeightUpdater | None = None
+        self._lora_sync_dir: str | None = None  # rank 0, --lora-sync adapter
         self._asleep = False
 
     @property
@@ -281,6 +288,8 @@ class TrainRayActor(abc.ABC):
 
     def _make_updater(self, only: list[str] | None = None, group_suffix: str = "") -> WeightUpdater:
         engine = self._engine
+        if self.backend.uses_lora and self.backend.lora_sync == "adapter":
+            return self._make_adapter_updater(only)
         return make_weight_updater(
             engine.named_weights, engine_urls=list(self.engine_urls), rank=self.rank,
             world_size=self.world_size, colocate=self.spec.colocate,
@@ -288,6 +297,29 @@ class TrainRayActor(abc.ABC):
             master_address=self.master_addr,
             group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
             timeout_s=self.spec.distributed_timeout_s, api_key=self._engine_admin_key,
+            http_timeouts=EngineTimeouts(
+                control_s=self.spec.engine_control_timeout_s,
+                weights_s=self.spec.update_weights_timeout_s,
+            ),
+        )  # fmt: skip
+
+    def _make_adapter_updater(self, only: list[str] | None) -> WeightUpdater:
+        """--lora-sync adapter: rank 0 writes each adapter version where the engines read it
+        and has them load it; every rank gathers the adapter."""
+        engine = self._engine
+        if not isinstance(engine, TrainsAdapters):
+            raise ValueError(
+                f"--lora-sync adapter: the {self.backend_name} backend cannot hand over its "
+                "LoRA adapters; use --lora-sync merged"
+            )
+        if self.rank == 0 and self._lora_sync_dir is None:
+            self._lora_sync_dir = self.backend.lora_sync_dir or tempfile.mkdtemp(
+                prefix="miles-lora-"
+            )
+        return make_lora_adapter_updater(
+            engine.adapter_weights, engine.adapter_config(), engine_urls=list(self.engine_urls),
+            rank=self.rank, world_size=self.world_size, sync_dir=self._lora_sync_dir or "",
+            adapter_name=LORA_ADAPTER_NAME, only=only, api_key=self._engine_admin_key,
             http_timeouts=EngineTimeouts(
                 control_s=self.spec.engine_control_timeout_s,
                 weights_s=self.spec.update_weights_timeout_s,

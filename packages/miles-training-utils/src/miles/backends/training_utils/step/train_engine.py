@@ -137,6 +137,21 @@ class TrainEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class TrainsAdapters(Protocol):
+    """An engine whose policy is a frozen base plus LoRA adapters, which it can hand over as a
+    PEFT adapter (--lora-sync adapter: the rollout engines load it beside the base)."""
+
+    def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(PEFT name, full tensor) of every adapter matrix, the keys of an
+        adapter_model.safetensors; a collective where sharded, so every rank drains it."""
+        ...
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapter's adapter_config.json."""
+        ...
+
+
 def paired_reference_parameters(
     policy: dict[str, Tensor], reference: dict[str, Tensor], *, ref_checkpoint: str, checkpoint: str
 ) -> list[tuple[Tensor, Tensor]]:
