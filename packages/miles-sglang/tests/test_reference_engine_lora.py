@@ -353,3 +353,20 @@ def test_an_adapter_of_lora_paths_that_cannot_be_served_stops_the_start(tiny_che
     with pytest.raises(ValueError) as refusal:
         ReferenceEngine(config)
     assert f"--lora-paths dora={path}: " in str(refusal.value) and reason in str(refusal.value)
+
+
+def test_lora_paths_alone_turn_lora_on_and_set_the_limits_to_their_adapters(
+    tiny_checkpoint, adapters
+):
+    # As SGLang: the largest rank and every projection the start-up adapters adapt; a bare PATH
+    # is its own name.
+    path = str(adapters.first_dir)
+    config = ReferenceEngineConfig(model_path=str(tiny_checkpoint), device="cpu", lora_paths=[path])
+    engine = ReferenceEngine(config)
+    try:
+        assert config.enable_lora and engine.loras is not None
+        assert engine.loras.max_rank == 4
+        assert engine.loras.target_modules == {"q_proj", "v_proj", "down_proj"}
+        assert engine.loras.loaded_paths() == {path: path}
+    finally:
+        engine.scheduler.shutdown()
