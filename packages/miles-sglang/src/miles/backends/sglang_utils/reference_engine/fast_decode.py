@@ -207,9 +207,8 @@ class DenseDecoder:
             k = k * cos + _rotate_half(k) * sin
             x = x + self._project(layer.o_proj, attend(index, layer, q, k, v))
             h = _rms_norm(layer.post_norm, x)
-            gated = layer.act_fn(self._project(layer.gate_proj, h)) * self._project(
-                layer.up_proj, h
-            )
+            gate = layer.act_fn(self._project(layer.gate_proj, h))
+            gated = gate * self._project(layer.up_proj, h)
             x = x + self._project(layer.down_proj, gated)
         return x
 

@@ -148,10 +148,8 @@ class ModelRunner:
     def _state_from(
         cache: DynamicCache, mask: Tensor, adapters: list[LoraAdapter | None] | None
     ) -> BatchState:
-        keys, values = (
-            [layer.keys for layer in cache.layers],
-            [layer.values for layer in cache.layers],
-        )
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
         return BatchState(keys, values, mask, adapters)
 
     def _adapted(
@@ -189,6 +187,7 @@ class ModelRunner:
         distinct, rows = distinct_prompts(prompts, adapters)
         row_adapters = _distinct_adapters(adapters, rows, len(distinct))
         with self._recording(len(distinct), max(len(p) for p in distinct)) as routed:
+            # (B, L or 1, V)
             every, state = self._prefill(distinct, row_adapters, every_position=any(wanted))
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
         length = state.length

@@ -160,7 +160,8 @@ class Scheduler:
         self._seed_source = random.Random(seed)
         self._waiting: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._held: deque[Request] = deque()
-        """Admitted from the queue but waiting for an adapter slot (loop thread only)."""
+        """Taken from the queue, waiting for an adapter slot (--max-loras-per-batch); the loop
+        thread's alone."""
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._running: list[Request] = []
         self._rows: list[int] = []
