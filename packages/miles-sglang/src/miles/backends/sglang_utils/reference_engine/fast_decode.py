@@ -80,6 +80,10 @@ class DenseDecoder:
         config = model.config
         self.model = model
         self.lora = lora
+        # Without LoRA a projection is the plain product: no per-call check in the decode step.
+        self._project: Callable[[nn.Linear, Tensor], Tensor] = (
+            _linear if lora is None else self._adapted_linear
+        )
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
         self.norm = model.model.norm
@@ -212,10 +216,10 @@ class DenseDecoder:
             x = x + self._project(layer.down_proj, gated)
         return x
 
-    def _project(self, module: nn.Linear, x: Tensor) -> Tensor:
+    def _adapted_linear(self, module: nn.Linear, x: Tensor) -> Tensor:
         """`module` on `x`, plus the LoRA terms of the rows' adapters."""
-        out = _linear(module, x)
-        return out if self.lora is None else self.lora.add_delta(module, x, out)
+        assert self.lora is not None, "only a decoder with LoRA layers adapts its projections"
+        return self.lora.add_delta(module, x, _linear(module, x))
 
     def _head(self, x: Tensor) -> Tensor:
         return _linear(self.lm_head, _rms_norm(self.norm, x))
