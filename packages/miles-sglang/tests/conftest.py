@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from miles.backends.sglang_utils.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+from .in_process_engine import serve_in_process
+from .lora_support import LORA_ADMIN_KEY, LORA_ENGINE_TARGETS
 
 
 def running_engine(model_path: Path, *extra: str, timeout_s: float = 120.0):
@@ -38,3 +43,16 @@ def engine_url(tiny_checkpoint) -> Iterator[str]:
 def start_engine():
     """`start_engine(model_path, *flags)`: a context manager running a private engine."""
     return running_engine
+
+
+@pytest.fixture(scope="session")
+def lora_engine(tiny_checkpoint) -> Iterator[tuple[ReferenceEngine, httpx.Client]]:
+    """One engine serving LoRA adapters (rank <= 8, the fast path), shared by the LoRA tests,
+    and a client of it with its admin key; each test loads adapters under names of its own."""
+    config = ReferenceEngineConfig(
+        model_path=str(tiny_checkpoint), device="cpu", admission_quiet_ms=0, enable_lora=True,
+        max_lora_rank=8, lora_target_modules=list(LORA_ENGINE_TARGETS),
+        admin_api_key=LORA_ADMIN_KEY,
+    )  # fmt: skip
+    with serve_in_process(config, headers={"Authorization": f"Bearer {LORA_ADMIN_KEY}"}) as both:
+        yield both

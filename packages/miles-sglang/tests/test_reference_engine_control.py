@@ -28,7 +28,10 @@ def _post(url, path, **kwargs):
         ),
         (b'{"input_ids": [1, 2], "text": "x"}', "give exactly one of 'text' or 'input_ids'"),
         (b'{"input_ids": [1, 99999]}', "token id 99999 >= vocab size"),
-        (b'{"input_ids": [1], "lora_path": "adapter"}', "lora_path='adapter' is not supported"),
+        (
+            b'{"input_ids": [1], "lora_path": "adapter"}',
+            "LoRA adapter 'adapter' was requested (lora_path), but LoRA is not enabled",
+        ),
         (b'{"input_ids": [1], "bogus_field": 1}', "unknown /generate field 'bogus_field'"),
     ],
 )

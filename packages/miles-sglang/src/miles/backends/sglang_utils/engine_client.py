@@ -1,6 +1,7 @@
 """`EngineClient`, the async client of SGLang's native HTTP API on one engine or router URL: one
 method per endpoint, grouped by role (generation, health and info, scheduling control, weights and
-memory). The HTTP below them - connection pool, deadlines, retries - is `engine_transport`'s.
+memory, LoRA adapters). The HTTP below them - connection pool, deadlines, retries - is
+`engine_transport`'s.
 """
 
 from __future__ import annotations
@@ -302,6 +303,31 @@ class EngineClient(EngineTransport):
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """POST /resume_memory_occupation: take back what release_memory_occupation freed."""
         return await self._post_update("/resume_memory_occupation", _drop_none({"tags": tags}))
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, pinned: bool = False
+    ) -> dict[str, Any]:
+        """POST /load_lora_adapter: serve the PEFT adapter directory `lora_path` (read by the
+        engine: on its host or a shared filesystem) as `lora_name`, which /generate's
+        `lora_path` then names. SGLang's `{success, error_message, loaded_adapters}`; a refusal
+        is returned, not raised."""
+        payload = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return await self._post_update("/load_lora_adapter", payload)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter: stop serving adapter `lora_name` (requests running with it
+        finish with it). Answers as load_lora_adapter."""
+        return await self._post_update("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        """POST /update_weight_version: label what the engine serves from now on (`meta_info`'s
+        `weight_version`) without sending weights, e.g. after a new LoRA adapter."""
+        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return await self._post_update("/update_weight_version", payload)
 
 
 def _json_or_none(text: str) -> Any:

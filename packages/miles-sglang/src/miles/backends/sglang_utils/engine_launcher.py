@@ -73,6 +73,14 @@ class EngineLaunchSpec:
     return_routed_experts: bool = False
     """Record a MoE model's routing for requests that ask (--enable-return-routed-experts, on
     SGLang and the reference engine alike): routing replay needs it."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (--enable-lora on SGLang and the reference engine alike): a LoRA run
+    syncs its adapter, not its weights."""
+    max_lora_rank: int | None = None
+    """With `enable_lora`: the largest adapter rank the engine accepts (--max-lora-rank)."""
+    lora_target_modules: list[str] | None = None
+    """With `enable_lora`: the projections adapters may adapt (--lora-target-modules, e.g.
+    ["q_proj", "v_proj"] or ["all"])."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -84,3 +92,32 @@ class EngineLaunchSpec:
                 f"visible_devices {self.visible_devices} names {len(self.visible_devices)} "
                 f"device(s) for an engine of {self.num_devices}"
             )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        lora = {
+            "max_lora_rank": self.max_lora_rank,
+            "lora_target_modules": self.lora_target_modules,
+        }
+        if not self.enable_lora:
+            given = [name for name, value in lora.items() if value is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} need enable_lora=True; set it or drop them"
+                )
+            return
+        missing = [name for name, value in lora.items() if value is None or value == []]
+        if missing:
+            raise ValueError(
+                f"enable_lora needs {' and '.join(missing)}: the engines check every adapter "
+                "loaded later against them (e.g. max_lora_rank=16, lora_target_modules=['all'])"
+            )
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+    def lora_flags(self) -> dict[str, str | bool | list[str]]:
+        """The LoRA server flags both engines take, without dashes ({} without enable_lora)."""
+        if not self.enable_lora:
+            return {}
+        return {"enable-lora": True, "max-lora-rank": str(self.max_lora_rank),
+                "lora-target-modules": list(self.lora_target_modules or [])}  # fmt: skip

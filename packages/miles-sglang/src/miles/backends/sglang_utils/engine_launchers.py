@@ -60,6 +60,8 @@ class ReferenceEngineLauncher:
             command += ["--max-running-requests", str(spec.max_running_requests)]
         if spec.return_routed_experts:
             command.append("--enable-return-routed-experts")
+        for flag, value in spec.lora_flags().items():
+            command += [f"--{flag}"] if value is True else [f"--{flag}", *_values(value)]
         return command
 
     def start(self) -> str:
@@ -92,6 +94,10 @@ class ReferenceEngineLauncher:
             self._process = None
 
 
+def _values(value: str | list[str]) -> list[str]:
+    return value if isinstance(value, list) else [value]
+
+
 class SGLangEngineLauncher:
     """A real SGLang server (GPUs; `start` says how to install SGLang when it is missing)."""
 
@@ -104,6 +110,8 @@ class SGLangEngineLauncher:
             extra.setdefault("max-running-requests", str(spec.max_running_requests))
         if spec.return_routed_experts:
             extra.setdefault("enable-return-routed-experts", True)
+        for flag, value in spec.lora_flags().items():
+            extra.setdefault(flag, value)
         self.engine = SGLangEngine(
             SGLangEngineConfig(
                 model_path=spec.model_path,

@@ -99,3 +99,6 @@ class SyncEngineClient:
     update_weights_from_disk = _sync("update_weights_from_disk")
     release_memory_occupation = _sync("release_memory_occupation")
     resume_memory_occupation = _sync("resume_memory_occupation")
+    load_lora_adapter = _sync("load_lora_adapter")
+    unload_lora_adapter = _sync("unload_lora_adapter")
+    update_weight_version = _sync("update_weight_version")

@@ -9,6 +9,7 @@ which is what makes the batching continuous.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,11 +17,16 @@ from torch import Tensor
 
 @dataclass
 class BatchState:
-    """KV tensors per layer, (B, H, L, D), and the (B, L) mask of real (1) vs padding (0)."""
+    """KV tensors per layer, (B, H, L, D), the (B, L) mask of real (1) vs padding (0), and the
+    LoRA adapter each row's KV was computed with (`lora_layers.LoraAdapter`; None: the base
+    model). The adapters travel with the rows: a decode step must run each row with the adapter
+    its cache came from."""
 
     keys: list[Tensor]
     values: list[Tensor]
     mask: Tensor
+    adapters: list[Any] | None = None
+    """One per row, or None when every row runs the base model."""
 
     @property
     def size(self) -> int:
@@ -82,7 +88,19 @@ def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
         for x, y in zip(a.values, b.values, strict=True)
     ]
     mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)])
-    return BatchState(keys, values, mask)
+    adapters = None
+    if a.adapters is not None or b.adapters is not None:
+        adapters = row_adapters(a) + row_adapters(b)
+    return BatchState(keys, values, mask, adapters)
+
+
+def row_adapters(state: BatchState) -> list[Any]:
+    """Each row's adapter (None for a base-model row)."""
+    return list(state.adapters) if state.adapters is not None else [None] * state.size
+
+
+def _pick(adapters: list[Any] | None, rows: list[int]) -> list[Any] | None:
+    return None if adapters is None else [adapters[row] for row in rows]
 
 
 def gather_rows(logits: Tensor, state: BatchState, rows: list[int]) -> tuple[Tensor, BatchState]:
@@ -91,7 +109,7 @@ def gather_rows(logits: Tensor, state: BatchState, rows: list[int]) -> tuple[Ten
     keys = [k.index_select(0, index) for k in state.keys]
     values = [v.index_select(0, index) for v in state.values]
     return logits.index_select(0, index), BatchState(
-        keys, values, state.mask.index_select(0, index)
+        keys, values, state.mask.index_select(0, index), _pick(state.adapters, rows)
     )
 
 
@@ -104,4 +122,4 @@ def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
     first_real = int(mask.any(0).nonzero()[0, 0]) if mask.any() else mask.shape[1]
     keys = [k.index_select(0, index)[:, :, first_real:] for k in state.keys]
     values = [v.index_select(0, index)[:, :, first_real:] for v in state.values]
-    return BatchState(keys, values, mask[:, first_real:])
+    return BatchState(keys, values, mask[:, first_real:], _pick(state.adapters, rows))

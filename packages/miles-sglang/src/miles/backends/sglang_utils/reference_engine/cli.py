@@ -12,6 +12,10 @@ import uvicorn
 
 from miles.backends.sglang_utils.reference_engine.config import DTYPES, ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.engine import ReferenceEngine
+from miles.backends.sglang_utils.reference_engine.lora_settings import (
+    ALL_TARGETS,
+    LORA_TARGET_MODULES,
+)
 from miles.backends.sglang_utils.reference_engine.server import create_app
 from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 
@@ -56,6 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode through the Hugging Face forward, not the engine's own decode step",
     )
+    lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
+    lora.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)"
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank")
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        choices=[*LORA_TARGET_MODULES, ALL_TARGETS],
+        help="the projections adapters may adapt",
+    )
+    lora.add_argument(
+        "--max-loras-per-batch", type=int, default=8, help="distinct adapters in one batch"
+    )
+    lora.add_argument(
+        "--lora-paths", nargs="+", default=None, help="adapters to load at start: NAME=PATH ..."
+    )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -81,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     options = engine_options(args)
     try:
         config = ReferenceEngineConfig(**options)
+        # The model and the --lora-paths adapters are checked as they load.
+        engine = ReferenceEngine(config)
     except ValueError as err:
         print(f"miles-reference-engine: {err}", file=sys.stderr)
         return 2
-    engine = ReferenceEngine(config)
     # A long keep-alive: clients pool connections between rollouts (theirs expire first).
     uvicorn.run(
         create_app(engine),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from miles.backends.sglang_utils.reference_engine.lora_settings import LoraSettings
 
 DTYPES = {
     "auto": None,
@@ -56,6 +59,19 @@ class ReferenceEngineConfig:
     """--served-model-name: the model id of the OpenAI-compatible routes (default: --model-path)."""
     device: str | None = None
     """--device: torch device (default: the detected accelerator, else cpu)."""
+    enable_lora: bool = False
+    """--enable-lora: serve LoRA adapters (SGLang's flag); --lora-paths turns it on too."""
+    max_lora_rank: int | None = None
+    """--max-lora-rank: the largest adapter rank /load_lora_adapter accepts (default: the
+    largest of --lora-paths)."""
+    lora_target_modules: list[str] | None = None
+    """--lora-target-modules: the projections adapters may adapt (q_proj k_proj v_proj o_proj
+    gate_proj up_proj down_proj, or all; default: those of --lora-paths)."""
+    max_loras_per_batch: int = 8
+    """--max-loras-per-batch: distinct adapters in the running batch (the base model counts as
+    one, as in SGLang); requests of another adapter wait for a slot."""
+    lora_paths: list[str] | None = None
+    """--lora-paths: adapters loaded at start, NAME=PATH (or PATH, named by its path)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,6 +94,20 @@ class ReferenceEngineConfig:
             raise ValueError("--admin-api-key must differ from --api-key, or it guards nothing")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.lora_paths and not self.enable_lora:
+            self.enable_lora = True  # as SGLang: adapters to load at start ask for LoRA serving
+        self.lora  # noqa: B018 - checks the LoRA flags now, at start-up
+
+    @cached_property
+    def lora(self) -> LoraSettings:
+        """The LoRA flags, checked and expanded (`all`, NAME=PATH)."""
+        return LoraSettings.from_flags(
+            enable_lora=self.enable_lora,
+            max_lora_rank=self.max_lora_rank,
+            lora_target_modules=self.lora_target_modules,
+            max_loras_per_batch=self.max_loras_per_batch,
+            lora_paths=self.lora_paths,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype | str:

@@ -1,7 +1,7 @@
 """The reference engine behind one server: the model and tokenizer, the scheduler that decodes,
-the weight manager, and what every route asks of them (parsing, validation, the queue bound, texts,
-server info). No HTTP here: the routes modules take a `ReferenceEngine`, and `server.py` builds the
-app around one.
+the weight manager, the LoRA adapters (with --enable-lora), and what every route asks of them
+(parsing, validation, the queue bound, texts, server info). No HTTP here: the routes modules take a
+`ReferenceEngine`, and `server.py` builds the app around one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError, QueueFullError
+from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter
+from miles.backends.sglang_utils.reference_engine.lora_registry import LoraRegistry
 from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.requests import (
     GenerateLimits,
@@ -59,14 +61,25 @@ class ReferenceEngine:
                 self.device,
                 record_routed_experts=config.enable_return_routed_experts,
                 fast_decode=not config.disable_fast_decode,
+                lora=config.lora.enabled,
             ),
             eos_token_ids=self._eos_ids(model),
             context_length=self.context_length,
             max_running_requests=config.max_running_requests,
             seed=config.random_seed,
             admission_quiet_s=config.admission_quiet_ms / 1000,
+            max_loras_per_batch=config.lora.max_per_batch if config.lora.enabled else None,
         )
         self.weights = WeightManager(self.scheduler, self.scheduler.runner.model, self.device)
+        runner = self.scheduler.runner
+        self.loras: LoraRegistry | None = None
+        """The served LoRA adapters; None without --enable-lora."""
+        if runner.lora is not None:
+            try:
+                self.loras = LoraRegistry.start(runner.lora, config.lora, model.dtype)
+            except BaseException:
+                self.scheduler.shutdown()
+                raise
         self.limits = GenerateLimits(
             max_text_chars=self.context_length * _MAX_CHARS_PER_TOKEN,
             max_sequences=config.max_queued_requests,
@@ -121,6 +134,22 @@ class ReferenceEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def adapters_for(self, specs: list[SequenceSpec]) -> list[LoraAdapter | None]:
+        """The LoRA adapter of each sequence (`lora_path`, a loaded adapter's name; None: the
+        base model)."""
+        names = [spec.lora_path for spec in specs]
+        if self.loras is None:
+            asked = next((name for name in names if name is not None), None)
+            if asked is not None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {asked!r} was requested (lora_path), but LoRA is not enabled: "
+                    "start the engine with --enable-lora and load adapters with --lora-paths or "
+                    "/load_lora_adapter",
+                    param="lora_path",
+                )
+            return [None] * len(specs)
+        return self.loras.resolve(names)
 
     def validate(self, spec: SequenceSpec) -> None:
         vocab = self.model_config.vocab_size

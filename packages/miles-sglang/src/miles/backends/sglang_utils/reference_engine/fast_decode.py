@@ -9,7 +9,8 @@ architectures whose forward is exactly embedding -> [RMSNorm, attention (grouped
 q/k norms), residual, RMSNorm, gated MLP, residual] x layers -> RMSNorm -> lm_head (Llama, Qwen2,
 Qwen3), reading the modules' weights at every step (weight updates apply at once) and calling the
 model's own rotary embedding (its scaling rules included). Anything else keeps the HF forward
-(`DenseDecoder.for_model` says why).
+(`DenseDecoder.for_model` says why). With LoRA serving, each projection adds its rows' adapter
+terms (`lora_layers.LoraLayers.add_delta`), as the HF forward's layers do through their hooks.
 
 A prefill runs the same layers over every prompt position (torch's SDPA with the causal and
 padding mask, grouped KV heads as they are) and puts only the positions asked for through the
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.backends.sglang_utils.reference_engine.batch_cache import append_kv
+from miles.backends.sglang_utils.reference_engine.lora_layers import LoraLayers
 
 # model_type -> the causal-LM class whose forward `DenseDecoder` reproduces.
 _SUPPORTED = {
@@ -74,9 +76,14 @@ def _rotate_half(x: Tensor) -> Tensor:
 class DenseDecoder:
     """Decode steps of one supported model; build it with `for_model`."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, lora: LoraLayers | None = None) -> None:
         config = model.config
         self.model = model
+        self.lora = lora
+        # Without LoRA a projection is the plain product: no per-call check in the decode step.
+        self._project: Callable[[nn.Linear, Tensor], Tensor] = (
+            _linear if lora is None else self._adapted_linear
+        )
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
         self.norm = model.model.norm
@@ -104,11 +111,13 @@ class DenseDecoder:
         ]
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> tuple[DenseDecoder | None, str]:
+    def for_model(
+        cls, model: nn.Module, lora: LoraLayers | None = None
+    ) -> tuple[DenseDecoder | None, str]:
         """(a decoder, "") when `model`'s forward is one `DenseDecoder` reproduces, else
-        (None, why not)."""
+        (None, why not). `lora`: the adapters of the rows, applied in every projection."""
         why = _unsupported(model)
-        return (None, why) if why else (cls(model), "")
+        return (None, why) if why else (cls(model, lora), "")
 
     def step(
         self, tokens: Tensor, positions: Tensor, mask: Tensor, keys: list[Tensor],
@@ -191,20 +200,26 @@ class DenseDecoder:
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for index, layer in enumerate(self.layers):
             h = _rms_norm(layer.input_norm, x)
-            q = _linear(layer.q_proj, h).view(batch, seq, heads, dim).transpose(1, 2)
-            k = _linear(layer.k_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
-            v = _linear(layer.v_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            q = self._project(layer.q_proj, h).view(batch, seq, heads, dim).transpose(1, 2)
+            k = self._project(layer.k_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            v = self._project(layer.v_proj, h).view(batch, seq, kv_heads, dim).transpose(1, 2)
             if layer.q_norm is not None:
                 q = _rms_norm(layer.q_norm, q)
             if layer.k_norm is not None:
                 k = _rms_norm(layer.k_norm, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            x = x + _linear(layer.o_proj, attend(index, layer, q, k, v))
+            x = x + self._project(layer.o_proj, attend(index, layer, q, k, v))
             h = _rms_norm(layer.post_norm, x)
-            gated = layer.act_fn(_linear(layer.gate_proj, h)) * _linear(layer.up_proj, h)
-            x = x + _linear(layer.down_proj, gated)
+            gate = layer.act_fn(self._project(layer.gate_proj, h))
+            gated = gate * self._project(layer.up_proj, h)
+            x = x + self._project(layer.down_proj, gated)
         return x
+
+    def _adapted_linear(self, module: nn.Linear, x: Tensor) -> Tensor:
+        """`module` on `x`, plus the LoRA terms of the rows' adapters."""
+        assert self.lora is not None, "only a decoder with LoRA layers adapts its projections"
+        return self.lora.add_delta(module, x, _linear(module, x))
 
     def _head(self, x: Tensor) -> Tensor:
         return _linear(self.lm_head, _rms_norm(self.norm, x))

@@ -16,14 +16,15 @@ from miles.backends.sglang_utils.reference_engine.serving import error_response
 
 logger = logging.getLogger(__name__)
 
-# Routes that change the engine's weights or state, or cut into others' requests: they take the
-# admin key (--admin-api-key) when one is set. /health and /health_generate stay open, as in
-# SGLang: routers and orchestrators poll them keyless.
+# Routes that change the engine's weights (LoRA adapters too) or state, or cut into others'
+# requests: they take the admin key (--admin-api-key) when one is set. /health and
+# /health_generate stay open, as in SGLang: routers and orchestrators poll them keyless.
 ADMIN_ROUTES = frozenset({
     "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
     "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
-    "/continue_generation", "/abort_request", "/flush_cache",
+    "/continue_generation", "/abort_request", "/flush_cache", "/load_lora_adapter",
+    "/unload_lora_adapter", "/update_weight_version",
 })  # fmt: skip
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 

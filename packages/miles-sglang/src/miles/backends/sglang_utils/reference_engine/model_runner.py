@@ -1,6 +1,7 @@
 """A Hugging Face causal LM run as prefill and decode steps over a running batch (its KV cache:
 `batch_cache`). Prefills and decode steps of dense Llama-layout models skip the HF forward
-(`fast_decode`)."""
+(`fast_decode`). With LoRA serving, each row runs with its own adapter (`lora_layers`) on either
+path."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from miles.backends.sglang_utils.reference_engine.batch_cache import (
     gather_rows,
 )
 from miles.backends.sglang_utils.reference_engine.fast_decode import DenseDecoder
+from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter, LoraLayers
 from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
 from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 
@@ -40,11 +42,32 @@ class _AppendingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """(the distinct prompts in first-seen order, each prompt's row among them)."""
-    first_row: dict[tuple[int, ...], int] = {}
-    rows = [first_row.setdefault(tuple(prompt), len(first_row)) for prompt in prompts]
-    return [list(prompt) for prompt in first_row], rows
+def distinct_prompts(
+    prompts: list[list[int]], adapters: list[LoraAdapter | None] | None = None
+) -> tuple[list[list[int]], list[int]]:
+    """(the distinct prompts in first-seen order, each prompt's row among them). With `adapters`
+    (one per prompt), a prompt is shared only with prompts of the same adapter: KV computed
+    through an adapter is not the base model's, nor another adapter's."""
+    keys = adapters if adapters is not None else [None] * len(prompts)
+    first_row: dict[tuple[LoraAdapter | None, tuple[int, ...]], int] = {}
+    rows = [
+        first_row.setdefault((adapter, tuple(prompt)), len(first_row))
+        for prompt, adapter in zip(prompts, keys, strict=True)
+    ]
+    return [list(prompt) for _, prompt in first_row], rows
+
+
+def _distinct_adapters(
+    adapters: list[LoraAdapter | None] | None, rows: list[int], count: int
+) -> list[LoraAdapter | None] | None:
+    """The adapter of each of `count` distinct prompts, from the rows that map onto them; None
+    when every row runs the base model."""
+    if adapters is None or all(adapter is None for adapter in adapters):
+        return None
+    distinct: list[LoraAdapter | None] = [None] * count
+    for adapter, row in zip(adapters, rows, strict=True):
+        distinct[row] = adapter
+    return distinct
 
 
 def check_kv_only(model: torch.nn.Module) -> None:
@@ -71,13 +94,16 @@ class ModelRunner:
         *,
         record_routed_experts: bool = False,
         fast_decode: bool = True,
+        lora: bool = False,
     ) -> None:
         """`fast_decode`: run prefills and decode steps through `DenseDecoder` where the model
-        allows it (False: always the HF forward, as for checks against it)."""
+        allows it (False: always the HF forward, as for checks against it). `lora`: rows may
+        carry LoRA adapters (`prefill`'s `adapters`)."""
         check_kv_only(model)
         self.model = model.eval().to(device)
         self.device = device
         transpose_linear_weights(self.model, device)
+        self.lora = LoraLayers(self.model, device) if lora else None
         self.recorder = RoutedExpertsRecorder(self.model) if record_routed_experts else None
         self.prefill_routed: list[Tensor] = []
         """With a recorder: after a prefill, each prompt's (len(prompt), layers, top_k) experts."""
@@ -94,7 +120,9 @@ class ModelRunner:
         self.decoder: DenseDecoder | None = None
         why = "turned off" if not fast_decode else "routed experts are recorded by the HF forward"
         if fast_decode and self.recorder is None:
-            self.decoder, why = DenseDecoder.for_model(self.model)
+            self.decoder, why = DenseDecoder.for_model(self.model, self.lora)
+        if self.lora is not None:
+            self.lora.hook_hf_forward()  # after the decoder's check of the model's hooks
         logger.info(
             "prefill and decode: %s", "fast path" if self.decoder else f"HF forward ({why})"
         )
@@ -117,29 +145,50 @@ class ModelRunner:
         return out.logits
 
     @staticmethod
-    def _state_from(cache: DynamicCache, mask: Tensor) -> BatchState:
-        return BatchState(
-            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask
-        )
+    def _state_from(
+        cache: DynamicCache, mask: Tensor, adapters: list[LoraAdapter | None] | None
+    ) -> BatchState:
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        return BatchState(keys, values, mask, adapters)
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, BatchState]:
-        """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts.
+    def _adapted(
+        self, adapters: list[LoraAdapter | None] | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Run the forward inside it with each row's adapter."""
+        if adapters is None:
+            return contextlib.nullcontext()
+        assert self.lora is not None, "rows carry LoRA adapters on a runner built without lora"
+        return self.lora.batch(adapters)
+
+    def prefill(
+        self, prompts: list[list[int]], adapters: list[LoraAdapter | None] | None = None
+    ) -> tuple[Tensor, BatchState]:
+        """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts,
+        each run with its LoRA adapter in `adapters` (None: the base model).
 
         A prompt that occurs several times (a GRPO group's n samples arrive together) is computed
         once and its cache rows copied: its forward would give the same numbers again."""
-        logits, state, _ = self.prefill_with_prompt_logits(prompts, [False] * len(prompts))
+        logits, state, _ = self.prefill_with_prompt_logits(
+            prompts, [False] * len(prompts), adapters
+        )
         return logits, state
 
     @torch.no_grad()
     def prefill_with_prompt_logits(
-        self, prompts: list[list[int]], wanted: list[bool]
+        self,
+        prompts: list[list[int]],
+        wanted: list[bool],
+        adapters: list[LoraAdapter | None] | None = None,
     ) -> tuple[Tensor, BatchState, list[Tensor | None]]:
         """As `prefill`, and the logits at every position, (len(prompt), V) in the model's dtype,
         of each prompt i with `wanted[i]` (None for the others): the forward computes them all
         anyway, so scoring a prompt costs no extra forward."""
-        distinct, rows = distinct_prompts(prompts)
+        distinct, rows = distinct_prompts(prompts, adapters)
+        row_adapters = _distinct_adapters(adapters, rows, len(distinct))
         with self._recording(len(distinct), max(len(p) for p in distinct)) as routed:
-            every, state = self._prefill(distinct, every_position=any(wanted))  # (B, L or 1, V)
+            # (B, L or 1, V)
+            every, state = self._prefill(distinct, row_adapters, every_position=any(wanted))
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
         length = state.length
         if routed:  # (B, L, layers, top_k), left-padded like the prompts
@@ -157,7 +206,11 @@ class ModelRunner:
         return *gather_rows(logits, state, rows), prompt_logits
 
     def _prefill(
-        self, prompts: list[list[int]], *, every_position: bool
+        self,
+        prompts: list[list[int]],
+        adapters: list[LoraAdapter | None] | None,
+        *,
+        every_position: bool,
     ) -> tuple[Tensor, BatchState]:
         """The logits at every (left-padded) position, (B, L, V), or with `every_position`
         False at least those of the last one, and the cache."""
@@ -169,14 +222,15 @@ class ModelRunner:
             mask[row, length - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
-        if self.decoder is not None:
-            logits, keys, values = self.decoder.prefill(
-                input_ids, mask, positions, every_position=every_position
-            )
-            return logits, BatchState(keys, values, mask)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, mask, positions, cache, every_position=every_position)
-        return logits, self._state_from(cache, mask)
+        with self._adapted(adapters):
+            if self.decoder is not None:
+                logits, keys, values = self.decoder.prefill(
+                    input_ids, mask, positions, every_position=every_position
+                )
+                return logits, BatchState(keys, values, mask, adapters)
+            cache = DynamicCache()
+            logits = self._forward(input_ids, mask, positions, cache, every_position=every_position)
+            return logits, self._state_from(cache, mask, adapters)
 
     @torch.no_grad()
     def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:
@@ -185,19 +239,20 @@ class ModelRunner:
         mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
         input_ids = torch.tensor(tokens, device=self.device)  # (B,)
         if self.decoder is not None:
-            logits, keys, values = self.decoder.step(
-                input_ids, positions, mask, state.keys, state.values
-            )
-            return logits, BatchState(keys, values, mask)
+            with self._adapted(state.adapters):
+                logits, keys, values = self.decoder.step(
+                    input_ids, positions, mask, state.keys, state.values
+                )
+            return logits, BatchState(keys, values, mask, state.adapters)
         cache = DynamicCache()
         cache.layers = [
             _AppendingLayer(k, v) for k, v in zip(state.keys, state.values, strict=True)
         ]
-        with self._recording(len(tokens), 1) as routed:
+        with self._recording(len(tokens), 1) as routed, self._adapted(state.adapters):
             logits = self._forward(input_ids[:, None], mask, positions[:, None], cache)
         if routed:
             self.decode_routed = routed[0][:, 0]  # (B, layers, top_k)
-        return logits[:, -1, :], self._state_from(cache, mask)
+        return logits[:, -1, :], self._state_from(cache, mask, state.adapters)
 
     def _recording(self, rows: int, columns: int) -> contextlib.AbstractContextManager[list]:
         if self.recorder is None:

@@ -7,7 +7,8 @@ passed to it) and tokenized without extra special tokens, as the data source ren
 calls in the output become `message.tool_calls` (`tool_calls.py`). `return_prompt_token_ids` and
 `return_token_ids` give the exact ids the engine read and wrote, which is what an RL trajectory is
 built from. The `n` choices of a seeded request use seeds seed, seed + 1, ...: the same seed for
-all would give n copies of one sample.
+all would give n copies of one sample. With LoRA serving, `model: "<base>:<adapter>"` runs a loaded
+adapter, as in SGLang (SGLang's explicit `lora_path` field is not taken here).
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def _sequences(
     """`n` sequences per prompt (prompt-major), checked against the engine before queueing."""
     sequences = []
     count = len(prompts) * body.n
+    adapter = _adapter_in(engine, body.model)
     for prompt in prompts:
         engine.validate(SequenceSpec("", prompt, SamplingParams(), False))  # the prompt alone
         room = engine.context_length - len(prompt)
@@ -197,7 +199,11 @@ def _sequences(
                 else dataclasses.replace(params, seed=params.seed + copy)
             )
             rid = body.rid if body.rid is None or count == 1 else f"{body.rid}-{len(sequences)}"
-            sequences.append(SequenceSpec(rid or "", prompt, seeded, return_logprob, top_logprobs))
+            sequences.append(
+                SequenceSpec(
+                    rid or "", prompt, seeded, return_logprob, top_logprobs, lora_path=adapter
+                )
+            )
     if len(sequences) > engine.limits.max_sequences:
         raise InvalidRequestError(
             f"{len(prompts)} prompt(s) x n={body.n} is {len(sequences)} sequences, over this "
@@ -206,6 +212,14 @@ def _sequences(
         )
     engine.check_queue(len(sequences))
     return ParsedGenerate(sequences, is_batch=True, stream=body.stream)
+
+
+def _adapter_in(engine: ReferenceEngine, model: str) -> str | None:
+    """The adapter SGLang's `model: "<base>:<adapter>"` names, on an engine serving LoRA (elsewhere
+    `model` is a label, colon or not)."""
+    if engine.loras is None or ":" not in model:
+        return None
+    return model.split(":", 1)[1] or None
 
 
 # -- events of a streamed request ---------------------------------------------------------------

@@ -121,6 +121,27 @@ class MemoryBody(ControlBody):
     tags: list[Literal["weights", "kv_cache"]] | None = None
 
 
+class WeightVersionBody(ControlBody):
+    """SGLang's UpdateWeightVersionReqInput."""
+
+    new_version: Annotated[StrictStr, Field(min_length=1)]
+    abort_all_requests: StrictBool = False
+
+
+class LoadLoraBody(ControlBody):
+    """SGLang's LoadLoRAAdapterReqInput (its internal `lora_id` is ignored)."""
+
+    lora_name: Annotated[StrictStr, Field(min_length=1)]
+    lora_path: Annotated[StrictStr, Field(min_length=1)]
+    pinned: StrictBool = False
+
+
+class UnloadLoraBody(ControlBody):
+    """SGLang's UnLoadLoRAAdapterReqInput."""
+
+    lora_name: Annotated[StrictStr, Field(min_length=1)]
+
+
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -56,7 +56,6 @@ DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "return_indexer_topk": (False,),
     "routed_experts_start_len": (0,),
     "session_params": (None,),
-    "lora_path": (None,),
     "custom_logit_processor": (None,),
     "positional_embed_overrides": (None,),
     "return_bytes": (False,),
@@ -85,6 +84,8 @@ class SequenceSpec:
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
+    lora_path: str | None = None
+    """The loaded LoRA adapter to run with, by name (SGLang's `lora_path`); None: the base model."""
 
 
 @dataclass
@@ -148,6 +149,8 @@ class GenerateBody(BaseModel):
     token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
     return_text_in_logprobs: StrictBool = False
     return_routed_experts: StrictBool | list[StrictBool] = False
+    # A loaded adapter's name for every prompt, or one per prompt of a batch (None: base model).
+    lora_path: StrictStr | list[StrictStr | None] | None = None
     stream: StrictBool = False
 
 
@@ -211,6 +214,7 @@ def parse_generate(
     starts = _as_list(parsed.logprob_start_len, count, "logprob_start_len")
     token_ids = _token_ids_per_prompt(parsed.token_ids_logprob, count, is_batch)
     routed = _as_list(parsed.return_routed_experts, count, "return_routed_experts")
+    adapters = _as_list(parsed.lora_path, count, "lora_path")
     sequences = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         # As in SGLang, the log-prob fields count only with return_logprob.
@@ -232,6 +236,7 @@ def parse_generate(
                 token_ids_logprob=token_ids[i] if wanted else None,
                 return_text_in_logprobs=parsed.return_text_in_logprobs,
                 return_routed_experts=bool(routed[i]),
+                lora_path=adapters[i],
             )
             sequences.append(spec)
     return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)

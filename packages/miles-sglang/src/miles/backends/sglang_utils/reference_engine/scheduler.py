@@ -15,6 +15,11 @@ requests join, or the batch reaches the context length): dropping one copies eve
 and makes the next step grow it anew, which costs more than half a decode step for the e2e
 benchmark's 64 rows, while decoding a finished row along costs about 1/64 of a step. Its outputs
 are dropped.
+
+With LoRA serving, each request carries its adapter (or none) into the batch, and at most
+--max-loras-per-batch distinct ones (the base model counting as one, as in SGLang) run together: a
+request of another adapter waits until a running one leaves, while later requests of adapters
+already running go ahead.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,6 +43,7 @@ from miles.backends.sglang_utils.reference_engine.batch_cache import (
     merge_states,
     select_rows,
 )
+from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter
 from miles.backends.sglang_utils.reference_engine.model_runner import (
     ModelRunner,
     distinct_prompts,
@@ -105,6 +112,8 @@ class Request:
     routed_experts: list[torch.Tensor] = field(default_factory=list)
     """With `return_routed_experts`: the experts of every token read, (n, layers, top_k) pieces
     in order (the prompt's, then one per decode step)."""
+    adapter: LoraAdapter | None = None
+    """The LoRA adapter the sequence runs with from its prefill to its end (None: base model)."""
 
     @property
     def scores_prompt(self) -> bool:
@@ -130,11 +139,17 @@ class Scheduler:
         max_running_requests: int,
         seed: int,
         admission_quiet_s: float = 0.0,
+        max_loras_per_batch: int | None = None,
     ) -> None:
         """`admission_quiet_s`: on an idle engine, how long no new request must have arrived
-        before the first prefill (at most `MAX_ADMISSION_WAIT_S` in all); 0 admits at once."""
+        before the first prefill (at most `MAX_ADMISSION_WAIT_S` in all); 0 admits at once.
+        `max_loras_per_batch`: distinct adapters (None, the base model, counts) running at once;
+        None: no bound."""
         if admission_quiet_s < 0:
             raise ValueError(f"admission_quiet_s must be >= 0, got {admission_quiet_s}")
+        if max_loras_per_batch is not None and max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {max_loras_per_batch}")
+        self.max_loras_per_batch = max_loras_per_batch
         self.runner = runner
         self.admission_quiet_s = admission_quiet_s
         self._last_submit = 0.0  # time.monotonic() of the latest submit
@@ -144,6 +159,9 @@ class Scheduler:
         self.weight_version = "0"
         self._seed_source = random.Random(seed)
         self._waiting: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._held: deque[Request] = deque()
+        """Taken from the queue, waiting for an adapter slot (--max-loras-per-batch); the loop
+        thread's alone."""
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._running: list[Request] = []
         self._rows: list[int] = []
@@ -205,7 +223,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted (approximate while the loop admits)."""
-        return self._waiting.qsize()
+        return self._waiting.qsize() + len(self._held)
 
     def run_command(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the loop thread between two steps (even while paused)."""
@@ -224,7 +242,9 @@ class Scheduler:
         while not self._stop.is_set():
             self._run_commands()
             self._apply_aborts()
-            if self._paused.is_set() or (not self._running and self._waiting.empty()):
+            if self._paused.is_set() or not (
+                self._running or self._held or not self._waiting.empty()
+            ):
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -283,21 +303,42 @@ class Scheduler:
                 self._finish(request, {"type": "abort", "message": "aborted by request"})
             else:
                 self._waiting.put(request)
+        for request in [r for r in self._held if abort_all or r.rid in rids]:
+            self._held.remove(request)
+            self._finish(request, {"type": "abort", "message": "aborted by request"})
         self._retire([r for r in self._running if abort_all or r.rid in rids], "aborted by request")
 
-    def _admit(self) -> None:
-        new = []
-        while (
-            not self._waiting.empty() and len(self._running) + len(new) < self.max_running_requests
-        ):
-            request = self._waiting.get()
+    def _take_admissible(self) -> list[Request]:
+        """The waiting requests of the next prefill, oldest first, within --max-running-requests
+        and --max-loras-per-batch; one whose adapter finds no slot is held for a later step."""
+        earlier, self._held = self._held, deque()
+        held_later: list[Request] = []  # held in this pass, taken from the queue
+        slots = {r.adapter for r in self._running}
+        new: list[Request] = []
+        while len(self._running) + len(new) < self.max_running_requests:
+            if earlier:
+                request, held = earlier.popleft(), self._held
+            elif not self._waiting.empty():
+                request, held = self._waiting.get(), held_later
+            else:
+                break
             if request.params.max_new_tokens == 0 and not request.scores_prompt:
                 self._finish(request, {"type": "length", "length": 0})
-            else:
-                new.append(request)
+                continue
+            limit = self.max_loras_per_batch
+            if limit is not None and request.adapter not in slots and len(slots) >= limit:
+                held.append(request)
+                continue
+            slots.add(request.adapter)
+            new.append(request)
+        self._held.extend([*earlier, *held_later])  # oldest first
+        return new
+
+    def _admit(self) -> None:
+        new = self._take_admissible()
         if not new:
             return
-        _, rows = distinct_prompts([r.input_ids for r in new])
+        _, rows = distinct_prompts([r.input_ids for r in new], [r.adapter for r in new])
         seen: set[int] = set()
         for request, row in zip(new, rows, strict=True):
             request.cached_tokens = len(request.input_ids) if row in seen else 0
@@ -348,7 +389,9 @@ class Scheduler:
         start = time.perf_counter()
         try:
             logits, state, prompt_logits = self.runner.prefill_with_prompt_logits(
-                [r.input_ids for r in requests], [r.scores_prompt for r in requests]
+                [r.input_ids for r in requests],
+                [r.scores_prompt for r in requests],
+                [r.adapter for r in requests],
             )
             for request, row_logits in zip(requests, prompt_logits, strict=True):
                 if row_logits is not None:
@@ -543,7 +586,7 @@ class Scheduler:
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """True once nothing is running or waiting (used before releasing memory)."""
         deadline = time.monotonic() + timeout_s
-        while self._running or not self._waiting.empty():
+        while self._running or self._held or not self._waiting.empty():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)

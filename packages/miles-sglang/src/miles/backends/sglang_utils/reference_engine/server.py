@@ -7,7 +7,7 @@ queued: bad input is a 400 naming the field and its value, and never reaches the
 other requests share. Any other failure is a JSON 500 on a connection that stays open. A client
 that hangs up stops its sequences. Limits: --max-request-bytes per body, a prompt's text length
 before it is tokenized (off the event loop), --max-queued-requests (503 with Retry-After past it).
-Admin routes (weights, memory, pause, abort) take --admin-api-key when it is set.
+Admin routes (weights, LoRA adapters, memory, pause, abort) take --admin-api-key when it is set.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from miles.backends.sglang_utils.reference_engine.errors import (
     RequestTooLargeError,
 )
 from miles.backends.sglang_utils.reference_engine.guard import Guard
+from miles.backends.sglang_utils.reference_engine.lora_routes import add_lora_routes
 from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
 from miles.backends.sglang_utils.reference_engine.serving import error_response
 from miles.backends.sglang_utils.reference_engine.sglang_routes import add_sglang_routes
@@ -30,8 +31,8 @@ _RETRY_AFTER_S = 1
 
 
 def create_app(engine: ReferenceEngine) -> FastAPI:
-    """The app serving `engine`: SGLang's native routes and the OpenAI-compatible ones, behind
-    the guard."""
+    """The app serving `engine`: SGLang's native routes (LoRA's too) and the OpenAI-compatible
+    ones, behind the guard."""
     app = FastAPI(title="miles reference engine")
     api_key, admin_key = engine.config.api_key, engine.config.admin_api_key
 
@@ -49,5 +50,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
     app.add_middleware(Guard, api_key=api_key, admin_key=admin_key)
 
     add_sglang_routes(app, engine)
+    add_lora_routes(app, engine)
     add_openai_routes(app, engine)
     return app

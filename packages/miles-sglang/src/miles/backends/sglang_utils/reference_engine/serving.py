@@ -47,7 +47,8 @@ def submit(
             "return_routed_experts needs the engine started with --enable-return-routed-experts",
             param="return_routed_experts",
         )
-    for index, spec in enumerate(parsed.sequences):
+    adapters = engine.adapters_for(parsed.sequences)  # all resolved before any is queued
+    for index, (spec, adapter) in enumerate(zip(parsed.sequences, adapters, strict=True)):
         future = loop.create_future()
 
         def on_event(request: EngineRequest, finished: bool, future=future, index=index) -> None:
@@ -65,6 +66,7 @@ def submit(
             logprob_start_len=spec.logprob_start_len,
             token_ids_logprob=spec.token_ids_logprob,
             return_routed_experts=spec.return_routed_experts,
+            adapter=adapter,
         )
         if spec.rid:
             request.rid = spec.rid

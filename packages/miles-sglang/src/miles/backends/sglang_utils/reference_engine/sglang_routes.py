@@ -1,6 +1,7 @@
 """SGLang's native routes of the reference engine: `/generate`, health and info, pause and
-abort, weight updates and memory release, with SGLang's field names. Which key each route takes
-is the guard's business (`guard.py`); the OpenAI-compatible routes are in `openai_routes.py`.
+abort, weight updates (and `/update_weight_version`) and memory release, with SGLang's field names.
+Which key each route takes is the guard's business (`guard.py`); the LoRA adapter routes are in
+`lora_routes.py`, the OpenAI-compatible ones in `openai_routes.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from miles.backends.sglang_utils.reference_engine.request_models import (
     MemoryBody,
     PauseBody,
     TensorUpdateBody,
+    WeightVersionBody,
     validate_body,
 )
 from miles.backends.sglang_utils.reference_engine.requests import (
@@ -168,6 +170,20 @@ def add_sglang_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         return await action(
             lambda: run(lambda: engine.weights.from_disk(body.model_path, body.weight_version))
         )
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = validate_body(WeightVersionBody, await json_body(request))
+        if body.abort_all_requests:
+            engine.scheduler.abort(abort_all=True)
+
+        def relabel() -> str:
+            engine.scheduler.weight_version = body.new_version
+            return f"weight version is now {body.new_version}"
+
+        # Between two steps: every token after it carries the new label.
+        message = await run(relabel)
+        return JSONResponse({"success": True, "message": message, "new_version": body.new_version})
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):

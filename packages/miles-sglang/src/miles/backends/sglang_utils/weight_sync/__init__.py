@@ -9,6 +9,9 @@ matching `deserialize_*` / `receive_tensors` and copy into their model with `loa
 
     sender = TensorWeightSender(clients, max_bytes=512 << 20, dtype=torch.bfloat16)
     sender.send(model.state_dict().items(), weight_version="3")
+
+A LoRA run syncs its adapter instead (`make_lora_adapter_updater`): rank 0 writes it as a PEFT
+directory the engines read, and swaps it in with /unload_lora_adapter and /load_lora_adapter.
 """
 
 from miles.backends.sglang_utils.weight_sync.buckets import (
@@ -32,6 +35,10 @@ from miles.backends.sglang_utils.weight_sync.distributed_transport import (
     receive_tensors,
 )
 from miles.backends.sglang_utils.weight_sync.loader import WeightUpdateError, load_named_tensors
+from miles.backends.sglang_utils.weight_sync.lora_updater import (
+    UpdateLoraAdapter,
+    make_lora_adapter_updater,
+)
 from miles.backends.sglang_utils.weight_sync.senders import (
     DistributedWeightSender,
     TensorWeightSender,
@@ -61,6 +68,7 @@ __all__ = [
     "FlattenedBucket",
     "TensorMeta",
     "TensorWeightSender",
+    "UpdateLoraAdapter",
     "UpdateWeightFromDistributed",
     "UpdateWeightFromTensor",
     "WeightSyncClient",
@@ -81,6 +89,7 @@ __all__ = [
     "iter_buckets",
     "iter_buckets_with_last",
     "load_named_tensors",
+    "make_lora_adapter_updater",
     "make_weight_updater",
     "receive_flattened",
     "receive_tensors",

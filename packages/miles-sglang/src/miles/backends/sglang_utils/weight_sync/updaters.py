@@ -102,12 +102,14 @@ class WeightUpdater:
         named_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
         clients: Sequence[Any],
         *,
-        buffer_size: int,
-        dtype: torch.dtype,
+        buffer_size: int | None,
+        dtype: torch.dtype | None,
         require_clients: bool = True,
     ) -> None:
-        """`require_clients`: rank 0 must feed an engine (not so for a restarted subset)."""
-        if buffer_size < 1:
+        """`require_clients`: rank 0 must feed an engine (not so for a restarted subset).
+        `buffer_size` and `dtype` bound and cast the buckets of a bucketed transport (None for
+        one that sends none, such as the LoRA adapter's files)."""
+        if buffer_size is not None and buffer_size < 1:
             raise ValueError(
                 f"--update-weight-buffer-size ({buffer_size}) must be at least 1 byte; use e.g. "
                 "536870912 (512 MiB)"
