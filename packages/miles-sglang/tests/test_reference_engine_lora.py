@@ -370,3 +370,20 @@ def test_lora_paths_alone_turn_lora_on_and_set_the_limits_to_their_adapters(
         assert engine.loras.loaded_paths() == {path: path}
     finally:
         engine.scheduler.shutdown()
+
+
+def test_an_all_linear_adapter_names_its_projections_as_sglang_does(tiny_checkpoint, tmp_path):
+    """PEFT writes the module paths it resolved all-linear to; the engine, like SGLang, keeps
+    each one's last part, so `--lora-target-modules all` (or the projection names) covers it."""
+    from peft import LoraConfig, get_peft_model
+
+    from miles.backends.sglang_utils.reference_engine.peft_adapter import read_peft_lora
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.0.self_attn.q_proj" in saved
+    lora = read_peft_lora(str(tmp_path))
+    assert lora.target_modules == (
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj",
+    )  # fmt: skip

@@ -53,8 +53,10 @@ class PeftLora:
     scaling: float
     """PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
     target_modules: tuple[str, ...]
-    """The config's target_modules when a list ((): a regex string, matched by PEFT at training
-    time; the matrices then say which modules are adapted)."""
+    """The config's target_modules when a list, as projection names (`q_proj`): PEFT writes the
+    full module paths it resolved all-linear to, and SGLang also keeps each name's last part.
+    (): a regex string, matched by PEFT at training time; the matrices then say which modules
+    are adapted."""
     layers: dict[str, tuple[Tensor, Tensor]]
     """Module path in the model (`model.layers.0.self_attn.q_proj`) -> (A (r, in), B (out, r))."""
 
@@ -94,9 +96,13 @@ def read_peft_lora(path: str) -> PeftLora:
         path=path,
         rank=rank,
         scaling=scaling,
-        target_modules=tuple(targets) if isinstance(targets, list) else (),
+        target_modules=_projection_names(targets) if isinstance(targets, list) else (),
         layers=_layers(tensors, rank, weights),
     )
+
+
+def _projection_names(targets: list[str]) -> tuple[str, ...]:
+    return tuple(sorted({str(target).rsplit(".", 1)[-1] for target in targets}))
 
 
 def _read_config(file: Path) -> dict[str, Any]:
