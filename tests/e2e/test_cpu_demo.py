@@ -63,6 +63,34 @@ def test_cpu_demo_learns_within_ten_minutes(demo):
     assert {"reward.png", "eval.png"} <= plots
 
 
+# The demo's GRPO stage with LoRA: rank 8, alpha 16, lr 0.01 (10x full fine-tuning's 0.002; at
+# 0.02 the policy collapsed) on all-linear. Held-out reward rise over the SFT warm-up, merged
+# sync, --seed/--rollout-seed 1, 2, 3: LoRA 0.52, 0.49, 0.46; full fine-tuning 0.48, 0.56, 0.53.
+LORA_FLAGS = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "0.01", "--seed", "1",
+              "--rollout-seed", "1"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_demos_grpo_stage_with_lora_learns_and_exports_a_peft_adapter(demo, tmp_path):
+    """The engine serves the SFT model and loads each adapter version (--lora-sync adapter);
+    the exported adapter is a PEFT directory."""
+    out, _, _ = demo
+    run = tmp_path / "lora"
+    miles(
+        "train", "--config", DEMO / "grpo.yaml", "--console", "plain",
+        "--hf-checkpoint", out / "sft_hf", "--save", run / "checkpoints", "--output-dir", run,
+        *LORA_FLAGS, "--lora-sync", "adapter", env=demo_env(out),
+    )  # fmt: skip
+    heldout = eval_rewards(run)
+    print(f"LoRA GRPO: held-out reward {heldout[0]:.3f} (after SFT) -> {heldout[-1]:.3f}")
+    assert heldout[-1] - heldout[0] >= 0.3, f"GRPO with LoRA moved the held-out reward {heldout}"
+    miles("export-hf", "--adapter-only", run / "checkpoints", tmp_path / "adapter",
+          env=demo_env(out))  # fmt: skip
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+
 def miles(*args: str | Path, env: dict[str, str]) -> None:
     result = subprocess.run(
         ["miles", *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
