@@ -63,7 +63,7 @@ def test_cpu_demo_learns_within_ten_minutes(demo):
     assert {"reward.png", "eval.png"} <= plots
 
 
-# The demo's GRPO stage with LoRA: rank 8, alpha 16, lr 0.01 (10x full fine-tuning's 0.002; at
+# The demo's GRPO stage with LoRA: rank 8, alpha 16, lr 0.01 (5x full fine-tuning's 0.002; at
 # 0.02 the policy collapsed) on all-linear. Held-out reward rise over the SFT warm-up, merged
 # sync, --seed/--rollout-seed 1, 2, 3: LoRA 0.52, 0.49, 0.46; full fine-tuning 0.48, 0.56, 0.53.
 LORA_FLAGS = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "0.01", "--seed", "1",

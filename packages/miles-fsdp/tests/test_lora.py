@@ -4,6 +4,8 @@ merged weights the engines get are PEFT's merge, and both exports load where use
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().full_tensor().clone() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _lora_life(rank: int, checkpoint: Path, save_dir: Path) -> dict:
+def _lora_life(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
     from miles.backends.fsdp_utils.lora import lora_layers
 
     args = make_args(
@@ -46,6 +48,7 @@ def _lora_life(rank: int, checkpoint: Path, save_dir: Path) -> dict:
     shard = local_shard(batch, rank, 2)
     actor.train(0, shard)
     actor.save_model(0)
+    actor.export_hf(export_dir)  # in the run: the merged model
     after_base = {n: _full(p) for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
     policy = [lp.tolist() for lp in actor.trainer.log_probs(shard)]
@@ -72,6 +75,8 @@ def _lora_life(rank: int, checkpoint: Path, save_dir: Path) -> dict:
         "continued": continued,
         "resumed_start": start,
         "resumed": resumed_steps,
+        # GRPO groups share their prompt: one forward of it per micro-batch, adapters or not.
+        "shares_prompts": id(model) in engine.sharing_models,
     }
 
 
@@ -79,8 +84,10 @@ def _lora_life(rank: int, checkpoint: Path, save_dir: Path) -> dict:
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     checkpoint = build_checkpoint(root / "ckpt")
-    results = run_distributed(_lora_life, 2, checkpoint, root / "save", timeout_s=300)
-    return checkpoint, root / "save", results
+    results = run_distributed(
+        _lora_life, 2, checkpoint, root / "save", root / "export", timeout_s=300
+    )
+    return checkpoint, root, results
 
 
 def test_only_the_adapters_train_and_the_base_stays_bit_identical(lora_run):
@@ -91,6 +98,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(lora_run):
         assert result["optimized"] == result["trainable"], f"rank {rank}: optimizer params"
         assert result["optimizer_state"] == result["trainable"], f"rank {rank}: Adam state"
         assert result["base_identical"], f"rank {rank}: training moved a frozen base weight"
+        assert result["shares_prompts"], f"rank {rank}: LoRA turned prompt sharing off"
         lora_b = [t for n, t in result["adapters"].items() if ".lora_B." in n]
         assert any(t.abs().max() > 0 for t in lora_b), "B starts at zero and must have trained"
 
@@ -154,23 +162,26 @@ def test_merged_sync_sends_peft_merge_of_the_adapted_layers_only(lora_run):
     assert names and all(n.startswith("base_model.model.model.layers.") for n in names)
 
 
-def test_export_adapter_only_loads_with_peft_and_gives_the_trainers_log_probs(lora_run, tmp_path):
+def test_every_export_gives_the_trainers_log_probs(lora_run, tmp_path):
+    """The PEFT adapter (offline --adapter-only) on the base, the merged model (offline), and the
+    merged model exported in the run."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from miles.backends.fsdp_utils.checkpoint import export_checkpoint_to_hf
 
-    checkpoint, save_dir, results = lora_run
+    checkpoint, root, results = lora_run
     adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    export_checkpoint_to_hf(save_dir, adapter_dir, adapter_only=True)
+    export_checkpoint_to_hf(root / "save", adapter_dir, adapter_only=True)
     assert {p.name for p in adapter_dir.iterdir()} >= {
         "adapter_config.json",
         "adapter_model.safetensors",
     }
-    export_checkpoint_to_hf(save_dir, merged_dir)
+    export_checkpoint_to_hf(root / "save", merged_dir)
     base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
     peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64).eval()
+    in_run = AutoModelForCausalLM.from_pretrained(root / "export", dtype=torch.float64).eval()
     batch = make_batch(SAMPLES)
     for rank, result in enumerate(results):
         shard = local_shard(batch, rank, 2)
@@ -181,21 +192,19 @@ def test_export_adapter_only_loads_with_peft_and_gives_the_trainers_log_probs(lo
             with torch.no_grad():
                 adapted = sample_log_probs(peft_model, tokens, length, TEMPERATURE)[0]
                 whole = sample_log_probs(merged, tokens, length, TEMPERATURE)[0]
+                exported = sample_log_probs(in_run, tokens, length, TEMPERATURE)[0]
             got = torch.tensor(got, dtype=torch.float64)
-            torch.testing.assert_close(adapted.double(), got, atol=1e-5, rtol=0)
-            torch.testing.assert_close(whole.double(), got, atol=1e-5, rtol=0)
+            for model_log_probs in (adapted, whole, exported):
+                torch.testing.assert_close(model_log_probs.double(), got, atol=1e-5, rtol=0)
 
 
 def test_export_adapter_only_of_a_full_fine_tuning_checkpoint_is_refused(lora_run, tmp_path):
     from miles.backends.fsdp_utils.checkpoint import META_FILE, export_checkpoint_to_hf
     from miles.utils.checkpoint_layout import iteration_dir
 
-    _, save_dir, _ = lora_run
-    import json
-    import shutil
-
+    _, root, _ = lora_run
     copy = tmp_path / "full"
-    shutil.copytree(save_dir, copy)
+    shutil.copytree(root / "save", copy)
     meta_path = iteration_dir(copy, 0) / META_FILE
     meta = json.loads(meta_path.read_text())
     del meta["extra"]["lora_config"]

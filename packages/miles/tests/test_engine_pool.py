@@ -284,3 +284,21 @@ def test_while_no_engine_serves_a_request_waits_for_one_within_the_bound(engine_
     waited_s, answer = asyncio.run(run())
     assert 1.0 <= waited_s < 2.0
     assert len(answer["output_ids"]) == 2
+
+
+def test_a_pool_serving_an_adapter_names_it_in_every_request_that_names_none(engine_url):
+    """The shared engine serves no adapters: it refuses a request naming one, which shows the
+    pool put the name in; a request naming its own keeps it."""
+    from miles.backends.sglang_utils.client import EngineError
+
+    async def run() -> list[str]:
+        errors = []
+        async with EnginePool([engine_url], lora_name="miles-policy") as pool:
+            for request in (long_request(1), {**long_request(1), "lora_path": "mine"}):
+                with pytest.raises(EngineError) as refused:
+                    await pool.generate(request)
+                errors.append(str(refused.value))
+        return errors
+
+    pooled, own = asyncio.run(run())
+    assert "miles-policy" in pooled and "mine" in own

@@ -208,3 +208,34 @@ def test_engines_record_routed_experts_when_the_requests_ask_for_them(tmp_path):
 
     assert spec("--return-routed-experts")
     assert not spec()
+
+
+def test_engines_serve_the_trained_adapter_only_with_lora_adapter_sync(tiny_checkpoint, tmp_path):
+    from miles.ray.engine_fleet import check_adapter_serving, served_adapter
+
+    def config(*flags: str):
+        return load_config([
+            "--hf-checkpoint", str(tiny_checkpoint), "--prompt-data", "d.jsonl",
+            "--rollout-batch-size", "2", *flags,
+        ])  # fmt: skip
+
+    adapter = config("--lora-rank", "8", "--lora-sync", "adapter", "--target-modules", "q_proj")
+    spec = engine_launch_spec(adapter, "reference", 0, tmp_path)
+    assert (spec["enable_lora"], spec["max_lora_rank"], spec["lora_target_modules"]) == (
+        True, 8, ["q_proj"],
+    )  # fmt: skip
+    assert served_adapter(adapter) == "miles-policy"
+    all_linear = engine_launch_spec(
+        config("--lora-rank", "4", "--lora-sync", "adapter"), "sglang", 0, tmp_path
+    )
+    assert all_linear["lora_target_modules"] == ["all"]  # SGLang's name for every projection
+    for merged in (config("--lora-rank", "8"), config()):
+        assert "enable_lora" not in engine_launch_spec(merged, "reference", 0, tmp_path)
+        assert served_adapter(merged) is None
+    fully_async = config(
+        "--lora-rank", "8", "--lora-sync", "adapter", "--fully-async", "--rollout-num-gpus",
+        "1", "--off-policy-correction", "tis",
+    )  # fmt: skip
+    check_adapter_serving(fully_async, "reference")
+    with pytest.raises(ValueError, match=r"use --lora-sync merged with --fully-async"):
+        check_adapter_serving(fully_async, "sglang")

@@ -94,6 +94,17 @@ def served_adapter(config: MilesConfig) -> str | None:
     return None
 
 
+def check_adapter_serving(config: MilesConfig, engine: str) -> None:
+    """SGLang's /unload_lora_adapter waits for the requests running with the adapter, and the
+    fully-async loop pushes while requests wait paused in place: the push would never end."""
+    if engine == "sglang" and served_adapter(config) and config.training.fully_async:
+        raise ValueError(
+            "--lora-sync adapter with --fully-async on SGLang engines: SGLang unloads an adapter "
+            "only once its running requests finish, and a fully-async weight update pauses them "
+            "in place; use --lora-sync merged with --fully-async"
+        )
+
+
 def lora_serving(backend: TrainerArgs) -> dict[str, Any]:
     """EngineLaunchSpec fields of an engine that serves the trained adapter (--lora-sync
     adapter): LoRA on, room for --lora-rank, the targeted modules (SGLang's `all` when PEFT
@@ -136,6 +147,7 @@ class EngineFleet:
         config = self.config
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         engine = resolve_engine(config.cluster.rollout_engine, has_gpus)
+        check_adapter_serving(config, engine)
         num_engines = len(self.placement.plan.engine_bundles) if self.placement else 1
         log_dir = Path(config.engine.engine_log_dir or Path(config.logging.output_dir) / "engines")
         log_dir.mkdir(parents=True, exist_ok=True)
