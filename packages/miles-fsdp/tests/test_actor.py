@@ -356,9 +356,8 @@ REFUSED = [
     ({"context_parallel_size": 2}, {}, "actor", "--context-parallel-size"),
     ({"attn_implementation": "flash_attention_2"}, {}, "actor", "--attn-implementation"),
     ({"fsdp_cpu_offload": True}, {}, "actor", "--fsdp-cpu-offload"),
-    ({"use_critic": True}, {}, "actor", "--use-critic"),
     ({}, {}, "critic", "role 'critic'"),
-    ({}, {"advantage_estimator": "ppo"}, "actor", "--advantage-estimator ppo"),
+    ({}, {"advantage_estimator": "ppo"}, "actor", "--advantage-estimator ppo"),  # no spec.critic
     ({"use_rollout_logprobs": True}, {"off_policy_correction": "tis"}, "actor", "--use-rollout-logprobs"),
 ]  # fmt: skip
 

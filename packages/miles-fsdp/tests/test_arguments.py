@@ -114,7 +114,10 @@ def test_an_unknown_flag_suggests_the_closest_flag():
     [
         (["--lr", "fast"], r"--lr: expected a number, got 'fast'"),
         (["--seed", "1.5"], r"--seed: expected an integer, got '1.5'"),
-        (["--use-critic=maybe"], r"could not parse the command line '.*--use-critic=maybe'"),
+        (
+            ["--share-prompt-forward=maybe"],
+            r"could not parse the command line '.*--share-prompt-forward=maybe'",
+        ),
         (["--lr"], r"could not parse the command line '.*--lr'"),
         (["lr", "1"], r"unexpected argument 'lr'"),
         (
@@ -155,7 +158,6 @@ def test_a_yaml_bool_is_not_accepted_as_a_number(config):
         ({"lora_sync": "lazy"}, r"--lora-sync 'lazy' is not a valid choice; use one of merged"),
         ({"lora_alpha": 32.0}, r"--lora-alpha 32.0 has no effect without LoRA"),
         ({"lora_sync": "adapter"}, r"--lora-sync 'adapter' has no effect without LoRA"),
-        ({"use_critic": True}, r"--use-critic: .*critic-free"),
         ({"use_dynamic_batch_size": True}, r"--use-dynamic-batch-size needs --max-tokens-per-gpu"),
         ({"max_tokens_per_gpu": 4096}, r"--max-tokens-per-gpu \(4096\) is only used with"),
         ({"min_lr": 1e-7}, r"--min-lr \(1e-07\) has no effect with --lr-decay-style constant"),

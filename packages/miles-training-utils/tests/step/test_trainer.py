@@ -216,11 +216,88 @@ def test_rollout_log_probs_are_required_where_a_setting_reads_them():
         trainer(BigramEngine(), LossConfig(loss_type="sft_loss"), use_rollout_logprobs=True)
 
 
-def test_a_critic_estimator_is_refused_before_training():
+def test_a_critic_estimator_needs_a_critic_engine_and_only_it_takes_one():
     ppo = LossConfig(advantage_estimator="ppo")
     assert Algorithm.from_config(ppo).estimator.needs_critic
-    with pytest.raises(ValueError, match=r"--advantage-estimator ppo needs a critic"):
-        trainer(BigramEngine(), ppo).train(batch())
+    with pytest.raises(ValueError, match=r"ppo reads a critic's values, but no critic engine"):
+        trainer(BigramEngine(), ppo)
+    with pytest.raises(ValueError, match=r"grpo reads no values, but a critic engine was given"):
+        trainer(BigramEngine(), LossConfig(), critic=BigramValueEngine())
+
+
+class BigramValueEngine(BigramEngine):
+    """A value model for the step's tests: the value of the state before token t + 1 is a
+    learned scalar of token t (one column of an embedding)."""
+
+    def _log_probs(self, model: nn.Module, micro: dict):
+        values = []
+        for tokens, response in zip(micro["tokens"], micro["response_lengths"], strict=True):
+            ids = torch.as_tensor(tokens)
+            start = len(tokens) - response
+            values.append(model(ids[start - 1 : -1])[:, 0])  # (R,)
+        values = torch.cat(values)
+        return values, torch.zeros_like(values), None
+
+
+def _reference_value_loss(values, old, returns, masks, clip: float, global_batch: int) -> float:
+    """Float64, one document at a time: the mean over samples of each sample's mean clipped
+    value loss over its trainable tokens (--loss-agg-mode's default, sample-mean)."""
+    total = 0.0
+    for v, o, r, m in zip(values, old, returns, masks, strict=True):
+        v, o, r, m = (torch.as_tensor(x, dtype=torch.float64) for x in (v, o, r, m))
+        clipped = o + (v - o).clamp(-clip, clip)
+        per_token = 0.5 * torch.maximum((v - r) ** 2, (clipped - r) ** 2)
+        total += float((per_token * m).sum() / m.sum().clamp(min=1.0))
+    return total / global_batch
+
+
+def test_ppo_values_advantages_and_the_critics_clipped_loss_match_a_float64_reference():
+    """The critic scores the rollout before the policy's step; GAE turns rewards and those
+    values into advantages and returns; the critic's first loss (values = the old ones) is the
+    clipped value loss over packed micro-batches, as one document at a time in float64."""
+    from miles.backends.training_utils.algorithms.formulas.returns import (
+        get_gae_advantages_and_returns,
+    )
+
+    loss = LossConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.8, value_clip=0.2)
+    critic = BigramValueEngine(seed=3)
+    step = trainer(BigramEngine(), loss, critic=critic)
+    data = batch(8, seed=4)
+    metrics = step.train(data)
+    masks = [torch.as_tensor(m, dtype=torch.float32) for m in data["loss_mask"]]
+    with torch.no_grad():
+        want_values = [
+            critic_values for critic_values in BigramValueEngine(seed=3).forward_log_probs(
+                [{"tokens": [t], "response_lengths": [r]}
+                 for t, r in zip(data["tokens"], data["response_lengths"], strict=True)]
+            )
+        ]  # fmt: skip
+    for got, want in zip(data["values"], want_values, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=0)
+    rewards = [torch.zeros(len(m)) for m in masks]
+    for reward, mask, value in zip(rewards, masks, data["rewards"], strict=True):
+        trainable = mask.nonzero()
+        if len(trainable):
+            reward[trainable[-1]] = value  # the sample's reward on its last trainable token
+    advantages, returns = get_gae_advantages_and_returns(
+        [r.double() for r in rewards], [v.double() for v in data["values"]],
+        [m.double() for m in masks], 0.9, 0.8,
+    )  # fmt: skip
+    for name, wanted in (("advantages", advantages), ("returns", returns)):
+        for got, want in zip(data[name], wanted, strict=True):
+            torch.testing.assert_close(torch.as_tensor(got).double(), want, atol=1e-6, rtol=0)
+    first = _reference_value_loss(
+        data["values"], data["values"], data["returns"], data["loss_mask"], 0.2, 8
+    )
+    assert metrics[0]["critic/loss"] == pytest.approx(first, rel=1e-6, abs=1e-9)
+    assert metrics[0]["critic/value_clipfrac"] == 0.0  # values are the old ones
+    explained = metrics[0]["critic/explained_variance"]
+    flat_r = torch.cat(
+        [torch.as_tensor(r).double()[m.bool()] for r, m in zip(data["returns"], masks, strict=True)]
+    )
+    flat_v = torch.cat([v.double()[m.bool()] for v, m in zip(data["values"], masks, strict=True)])
+    want = 1 - float((flat_r - flat_v).var(unbiased=False) / flat_r.var(unbiased=False))
+    assert explained == pytest.approx(want, rel=1e-6)
 
 
 def _dynamic_on_two_ranks(rank: int) -> dict:

@@ -16,6 +16,7 @@ from miles.config.placement_plan import plan_for_run
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 
 if TYPE_CHECKING:
+    from miles.backends.training_utils.algorithms.critic_config import CriticConfig
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.backends.training_utils.algorithms.loss_config import LossConfig
     from miles.config.groups import CheckpointConfig, ClusterConfig, EngineConfig, TrainingConfig
@@ -170,6 +171,45 @@ def check_lora(backend: TrainerArgs | None, checkpoint: CheckpointConfig) -> Non
             f"--ref-update-interval ({checkpoint.ref_update_interval}) copies the policy into the "
             f"reference model, but with --lora-rank {backend.lora_rank} the reference is the "
             "frozen base (the policy with its adapters off); drop --ref-update-interval"
+        )
+
+
+def check_critic(critic: CriticConfig, algorithm: LossConfig, backend: TrainerArgs | None) -> None:
+    """A critic is trained exactly when the estimator reads values (ppo), by a backend that
+    trains one, from a checkpoint that reads the policy's token ids."""
+    from miles.backends.training_utils.algorithms.algorithm import Algorithm
+
+    estimator = algorithm.advantage_estimator
+    if not Algorithm.from_config(algorithm).estimator.needs_critic:
+        given = critic.given()
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} configure the critic, but --advantage-estimator {estimator} "
+                "reads no values and trains none; use --advantage-estimator ppo or drop them"
+            )
+        return
+    if backend is not None and not backend.trains_critic:
+        raise ValueError(
+            f"--advantage-estimator {estimator} trains a critic, which the "
+            f"{type(backend).__name__} backend does not; use --train-backend fsdp"
+        )
+    if critic.critic_hf_checkpoint is not None:
+        hf_checkpoint_dir("--critic-hf-checkpoint", critic.critic_hf_checkpoint)
+
+
+def check_critic_vocabulary(critic: CriticConfig, hf_checkpoint: str) -> None:
+    """The critic reads the policy's token ids: its vocabulary must be the policy's."""
+    if critic.critic_hf_checkpoint is None:
+        return
+    from miles.utils.hf_config import hf_config_value
+
+    ours = hf_config_value(hf_checkpoint, "vocab_size")
+    theirs = hf_config_value(critic.critic_hf_checkpoint, "vocab_size")
+    if ours != theirs:
+        raise ValueError(
+            f"--critic-hf-checkpoint {critic.critic_hf_checkpoint} has a vocabulary of {theirs} "
+            f"tokens, the policy ({hf_checkpoint}) one of {ours}; the critic reads the policy's "
+            "token ids: start it from a checkpoint with the policy's tokenizer"
         )
 
 

@@ -7,9 +7,13 @@ derived later (`MilesConfig.resolve_num_rollout`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles.backends.training_utils.algorithms.critic_config import CRITIC_SUBDIR
+
 if TYPE_CHECKING:
+    from miles.backends.training_utils.algorithms.critic_config import CriticConfig
     from miles.config.groups import CheckpointConfig, ClusterConfig, TrainingConfig
     from miles.rollout.rollout_config import RolloutConfig
 
@@ -71,6 +75,15 @@ def return_routed_experts(training: TrainingConfig, rollout: RolloutConfig) -> b
     """--return-routed-experts, also on with --use-rollout-routing-replay (R3), which trains with
     the experts the engines report."""
     return rollout.return_routed_experts or training.use_rollout_routing_replay
+
+
+def critic_save_dir(
+    critic: CriticConfig, checkpoint: CheckpointConfig, *, trains_critic: bool
+) -> str | None:
+    """--critic-save; default, when a critic trains: <--save>/critic."""
+    if trains_critic and critic.critic_save is None and checkpoint.save:
+        return str(Path(checkpoint.save) / CRITIC_SUBDIR)
+    return critic.critic_save
 
 
 def load_dir(checkpoint: CheckpointConfig) -> str | None:

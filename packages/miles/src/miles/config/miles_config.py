@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from miles.backends.training_utils.algorithms.algorithm import Algorithm
+from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.config import cross_checks, derivation, paths
@@ -43,6 +45,7 @@ class MilesConfig:
     reward: RewardConfig
     algorithm: LossConfig
     distillation: DistillationConfig
+    critic: CriticConfig
     training: TrainingConfig
     checkpoint: CheckpointConfig
     eval: EvalConfig
@@ -77,6 +80,11 @@ class MilesConfig:
         training.fully_async_buffer_groups = derivation.fully_async_buffer_groups(training, rollout)
         rollout.return_routed_experts = derivation.return_routed_experts(training, rollout)
         self.checkpoint.load = derivation.load_dir(self.checkpoint)
+        trains_critic = Algorithm.from_config(self.algorithm).estimator.needs_critic
+        self.critic.critic_save = derivation.critic_save_dir(
+            self.critic, self.checkpoint, trains_critic=trains_critic
+        )
+        self.critic.critic_load = self.critic.critic_load or self.critic.critic_save
 
     def _check_across_groups(self) -> None:
         """Every combination of settings that cannot work, or that would silently do nothing."""
@@ -89,6 +97,7 @@ class MilesConfig:
         cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)
         cross_checks.check_reference_model(self.algorithm, checkpoint)
         cross_checks.check_lora(self.backend, checkpoint)
+        cross_checks.check_critic(self.critic, self.algorithm, self.backend)
         cross_checks.check_distillation(self.distillation, self.algorithm, checkpoint, training)
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)
@@ -105,6 +114,8 @@ class MilesConfig:
         checkpoint.save = paths.absolute(checkpoint.save)
         checkpoint.load = paths.absolute(checkpoint.load)
         checkpoint.ref_load = paths.absolute(checkpoint.ref_load)
+        for name in ("critic_hf_checkpoint", "critic_load", "critic_save"):
+            setattr(self.critic, name, paths.absolute(getattr(self.critic, name)))
         self.data.prompt_data = paths.absolute(self.data.prompt_data)
         self.data.chat_template_path = paths.absolute(self.data.chat_template_path)
         self.eval.eval_prompt_data = paths.eval_prompt_paths(self.eval.eval_prompt_data)
@@ -117,6 +128,7 @@ class MilesConfig:
             self.backend.lora_sync_dir = paths.absolute(self.backend.lora_sync_dir)
             # The backend's own settings against the model, before anything starts.
             self.backend.check_checkpoint(checkpoint.hf_checkpoint)
+        cross_checks.check_critic_vocabulary(self.critic, checkpoint.hf_checkpoint)
 
     @classmethod
     def from_values(cls, schema: Schema, values: dict[str, Any]) -> MilesConfig:

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 
+from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.config.groups import (
@@ -36,6 +37,7 @@ CORE_GROUPS: dict[str, type] = {
     "reward": RewardConfig,
     "algorithm": LossConfig,
     "distillation": DistillationConfig,
+    "critic": CriticConfig,
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,

@@ -59,6 +59,9 @@ class TrainerArgs(LoraArgs):
     """Seed of model initialisation and every random number generator of the trainer; the
     rollout engines' samplers are seeded from it too (plus each engine's index)."""
 
+    trains_critic: typing.ClassVar[bool] = False
+    """Whether the backend trains PPO's value model (--advantage-estimator ppo)."""
+
     # Smallest valid value of numeric fields; a subclass extends it with its own.
     MINIMUMS: typing.ClassVar[dict[str, float]] = {
         "lr": 0.0,

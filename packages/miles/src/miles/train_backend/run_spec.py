@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from miles.backends.training_utils.algorithms.critic_config import CriticConfig
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.config.miles_config import MilesConfig
 
@@ -50,6 +51,10 @@ class TrainRunSpec:
     """MoE routing replay: the engine's experts (rollout, R3: --use-rollout-routing-replay) or
     the old-policy forward's (old_policy, R2: --use-routing-replay); None: the router decides."""
 
+    critic: CriticConfig | None = None
+    """PPO's value model (--advantage-estimator ppo), with its derived directories; None
+    without one."""
+
     @property
     def total_optimizer_steps(self) -> int:
         """Optimizer steps of the whole run (the default length of a decaying schedule)."""
@@ -78,4 +83,11 @@ class TrainRunSpec:
                 "rollout" if training.use_rollout_routing_replay
                 else "old_policy" if training.use_routing_replay else None
             ),
+            critic=config.critic if _trains_critic(config) else None,
         )  # fmt: skip
+
+
+def _trains_critic(config: MilesConfig) -> bool:
+    from miles.backends.training_utils.algorithms.algorithm import Algorithm
+
+    return Algorithm.from_config(config.algorithm).estimator.needs_critic

@@ -10,6 +10,7 @@ This module imports neither Ray nor any backend, so core stays backend-free.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import datetime
 import logging
 import os
@@ -27,12 +28,13 @@ from miles.backends.sglang_utils.weight_sync import (
     make_weight_updater,
 )
 from miles.backends.training_utils.algorithms.algorithm import Algorithm
+from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 from miles.backends.training_utils.infra.device import dist_backend, set_device
 from miles.backends.training_utils.step.train_engine import TrainEngine, TrainsAdapters
 from miles.backends.training_utils.step.trainer import PolicyTrainer
-from miles.config.lora_args import LORA_ADAPTER_NAME
+from miles.config.lora_args import LORA_ADAPTER_NAME, LoraArgs
 from miles.config.trainer_args import TrainerArgs
 from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.checkpoint_layout import commit_checkpoint
@@ -74,6 +76,7 @@ class TrainRayActor(abc.ABC):
         self.master_addr = master_addr
         self.master_port = int(master_port)
         self.engine: TrainEngine | None = None
+        self.critic_engine: TrainEngine | None = None  # --advantage-estimator ppo
         self.trainer: PolicyTrainer | None = None
         self.weight_version = 0
         self.engine_urls: tuple[str, ...] = ()
@@ -129,6 +132,17 @@ class TrainRayActor(abc.ABC):
         `init` before the process group forms. A backend that can run anywhere has no checks."""
         logger.debug("the %s backend runs on any device", self.backend_name)
 
+    def build_critic_engine(
+        self, spec: TrainRunSpec, backend: TrainerArgs, *, device: torch.device
+    ) -> TrainEngine:
+        """PPO's value model on this rank (--advantage-estimator ppo): a `TrainEngine` whose
+        log-probs are values (see `CriticTrainer`), built from `spec.hf_checkpoint` with
+        `backend`'s optimizer settings. A backend that trains no critic keeps this refusal."""
+        raise ValueError(
+            f"the {self.backend_name} backend trains no critic (--advantage-estimator ppo); use "
+            "--train-backend fsdp"
+        )
+
     @abc.abstractmethod
     def build_engine(
         self, spec: TrainRunSpec, backend: TrainerArgs, *, device: torch.device, with_ref: bool
@@ -152,11 +166,15 @@ class TrainRayActor(abc.ABC):
         Returns the rollout id to start from: 0 for a fresh run, the saved id + 1 on resume.
         """
         algorithm = Algorithm.from_config(loss)
-        if role != "actor" or algorithm.estimator.needs_critic:
+        if role != "actor":
             raise ValueError(
-                f"the {self.backend_name} backend trains the policy only (role 'actor'), got "
-                f"role {role!r} with --advantage-estimator {loss.advantage_estimator}; a critic "
-                "is not supported yet: use a critic-free estimator such as grpo"
+                f"a train actor is the policy's ranks (role 'actor'), got role {role!r}; the "
+                "critic of --advantage-estimator ppo runs on the policy's ranks"
+            )
+        if algorithm.estimator.needs_critic and spec.critic is None:
+            raise ValueError(
+                f"--advantage-estimator {loss.advantage_estimator} reads a critic's values, but "
+                "the run spec has no critic (TrainRunSpec.critic)"
             )
         PolicyTrainer.check_settings(loss, use_rollout_logprobs=backend.use_rollout_logprobs)
         self.check_supported(backend)
@@ -168,6 +186,11 @@ class TrainRayActor(abc.ABC):
         self.engine = self.build_engine(
             spec, backend, device=device, with_ref=with_ref or algorithm.needs_reference
         )
+        if spec.critic is not None:
+            self.critic_engine = self.build_critic_engine(
+                critic_run_spec(spec, spec.critic), critic_settings(backend, spec.critic),
+                device=device,
+            )  # fmt: skip
         dynamic = backend.use_dynamic_batch_size
         self.trainer = PolicyTrainer(
             self.engine,
@@ -177,6 +200,7 @@ class TrainRayActor(abc.ABC):
             max_tokens_per_gpu=backend.max_tokens_per_gpu if dynamic else None,
             use_rollout_logprobs=backend.use_rollout_logprobs,
             distillation=spec.distillation,
+            critic=self.critic_engine,
         )
         return self._resume()
 
@@ -190,8 +214,24 @@ class TrainRayActor(abc.ABC):
             return 0
         self.weight_version = int(loaded.extra.get("weight_version", 0))
         self.trainer.global_step = int(loaded.extra.get("global_step", 0))
+        self._resume_critic(loaded.rollout_id)
         logger.info("resumed rollout %d from %s", loaded.rollout_id, self.spec.load)
         return loaded.rollout_id + 1
+
+    def _resume_critic(self, rollout_id: int) -> None:
+        """The critic resumes at the policy's rollout, or the run cannot go on exactly."""
+        critic = self.spec.critic
+        if critic is None or self.critic_engine is None or self.trainer.critic is None:
+            return
+        loaded = self.critic_engine.load(critic.critic_load) if critic.critic_load else None
+        if loaded is None or loaded.rollout_id != rollout_id:
+            found = "no checkpoint" if loaded is None else f"rollout {loaded.rollout_id}"
+            raise ValueError(
+                f"the policy resumes after rollout {rollout_id} from {self.spec.load}, but the "
+                f"critic's --critic-load {critic.critic_load} holds {found}; point --critic-load "
+                "at the critic saved with that policy checkpoint"
+            )
+        self.trainer.critic.global_step = int(loaded.extra.get("global_step", 0))
 
     def data_parallel_rank(self) -> int:
         """Which data-parallel shard of each rollout this rank trains on (valid after `init`).
@@ -204,7 +244,11 @@ class TrainRayActor(abc.ABC):
         """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
         self._require_awake("train")
         logger.info("rank %d: training rollout %d", self.rank, rollout_id)
-        metrics = self._trainer.train(_resolve(data_ref))
+        trainer = self._trainer
+        critic = self.spec.critic
+        # --num-critic-only-steps: the first rollouts fit the critic to the policy as it is.
+        train_policy = critic is None or rollout_id >= critic.num_critic_only_steps
+        metrics = trainer.train(_resolve(data_ref), train_policy=train_policy)
         interval = self.spec.ref_update_interval
         if interval is not None and (rollout_id + 1) % interval == 0:
             # --ref-update-interval: the KL now anchors to the policy of this rollout's end.
@@ -231,11 +275,21 @@ class TrainRayActor(abc.ABC):
             "hf_checkpoint": str(self.spec.hf_checkpoint),
         }
         self._engine.save(self.spec.save, rollout_id, extra, commit=commit)
+        critic = self.spec.critic
+        if critic is not None and self.critic_engine is not None and critic.critic_save:
+            critic_extra = {
+                "global_step": self._trainer.critic.global_step if self._trainer.critic else 0,
+                "hf_checkpoint": str(critic.critic_hf_checkpoint or self.spec.hf_checkpoint),
+            }
+            self.critic_engine.save(critic.critic_save, rollout_id, critic_extra, commit=commit)
 
     def commit_checkpoint(self, rollout_id: int) -> None:
         """Name `rollout_id`'s checkpoint (saved with commit=False) the latest; rank 0 writes."""
         if self.rank == 0:
             commit_checkpoint(self.spec.save, rollout_id)
+            critic = self.spec.critic
+            if critic is not None and critic.critic_save:
+                commit_checkpoint(critic.critic_save, rollout_id)
 
     def export_hf(self, path: str | Path) -> None:
         """The current weights as a Hugging Face checkpoint directory."""
@@ -336,6 +390,8 @@ class TrainRayActor(abc.ABC):
         """Free device memory for colocated engines; a no-op while asleep."""
         if not self._asleep:
             self._engine.sleep()
+            if self.critic_engine is not None:
+                self.critic_engine.sleep()
             self._asleep = True
 
     def wake_up(self) -> None:
@@ -343,6 +399,8 @@ class TrainRayActor(abc.ABC):
         every train step, also the first)."""
         if self._asleep:
             self._engine.wake_up()
+            if self.critic_engine is not None:
+                self.critic_engine.wake_up()
             self._asleep = False
 
     def close(self) -> None:
@@ -388,3 +446,26 @@ def _resolve(data_ref: Any) -> RolloutBatch:
 def _host_for_url(address: str) -> str:
     # An IPv6 literal needs brackets inside a tcp:// URL.
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def critic_run_spec(spec: TrainRunSpec, critic: CriticConfig) -> TrainRunSpec:
+    """The run as the critic's engine sees it: its own start checkpoint and directories, no
+    reference model, teacher or routing replay (a value model has none of them)."""
+    return dataclasses.replace(
+        spec, hf_checkpoint=critic.critic_hf_checkpoint or spec.hf_checkpoint,
+        save=critic.critic_save, load=critic.critic_load, ref_load=None,
+        ref_update_interval=None, distillation=None, routing_replay=None, critic=None,
+    )  # fmt: skip
+
+
+def critic_settings(backend: TrainerArgs, critic: CriticConfig) -> TrainerArgs:
+    """The policy's optimizer and schedule settings with the critic's learning rate and warmup;
+    the critic trains every weight (the policy's LoRA settings are its own)."""
+    lr = backend.lr if critic.critic_lr is None else critic.critic_lr
+    warmup = backend.lr_warmup_iters
+    if critic.critic_lr_warmup_iters is not None:
+        warmup = critic.critic_lr_warmup_iters
+    no_lora = {f.name: f.default for f in dataclasses.fields(LoraArgs)}
+    return dataclasses.replace(
+        backend, lr=lr, lr_warmup_iters=warmup, min_lr=min(backend.min_lr, lr), **no_lora
+    )

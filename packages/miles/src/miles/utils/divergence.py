@@ -51,7 +51,9 @@ class DivergenceGuard:
         checks come in `check`, after the rollout's record is logged, so a stopped run has it)."""
         skipped = 0
         for step in steps:
-            if math.isfinite(step.get("train/grad_norm", math.nan)):
+            if "train/grad_norm" not in step:
+                continue  # the critic trained alone (--num-critic-only-steps)
+            if math.isfinite(step["train/grad_norm"]):
                 self._skipped.clear()
                 self._last_finite = (rollout_id, dict(step))
             else:

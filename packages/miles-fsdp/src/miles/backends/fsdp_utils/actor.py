@@ -1,6 +1,7 @@
 """`FSDPTrainRayActor`: the FSDP2 backend's train actor (architecture.md: "Contracts / Training
 backend"). The RL step and the actor's life cycle are core's; this class only builds the engine.
-Not supported: critic, LoRA, context parallelism (FSDPArgs or `init` refuses each, naming its flag).
+PPO's critic is a second `FSDPEngine` on the same ranks, with a value head. Not supported: context
+parallelism (FSDPArgs refuses it, naming its flag).
 """
 
 from __future__ import annotations
@@ -32,3 +33,11 @@ class FSDPTrainRayActor(TrainRayActor):
         return FSDPEngine(
             backend, spec, device=device, world_size=self.world_size, with_ref=with_ref
         )
+
+    def build_critic_engine(
+        self, spec: TrainRunSpec, backend: FSDPArgs, *, device: torch.device
+    ) -> FSDPEngine:
+        return FSDPEngine(
+            backend, spec, device=device, world_size=self.world_size, with_ref=False,
+            value_model=True,
+        )  # fmt: skip

@@ -57,8 +57,8 @@ class FSDPArgs(TrainerArgs):
     on CPU. Master weights and optimizer states stay float32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter / all-reduce."""
-    use_critic: bool = False
-    """Train a value model; the FSDP backend has no critic yet."""
+
+    trains_critic: typing.ClassVar[bool] = True
 
     MINIMUMS: typing.ClassVar[dict[str, float]] = {
         **TrainerArgs.MINIMUMS,
@@ -88,11 +88,6 @@ def _check_unsupported(args: FSDPArgs) -> None:
             f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
             "supported yet by the FSDP backend; use --context-parallel-size 1 (or the Megatron "
             "backend)"
-        )
-    if args.use_critic:
-        raise ValueError(
-            "--use-critic: the FSDP backend has no critic yet; use a critic-free advantage "
-            "estimator (grpo, dr_grpo, gspo, rloo, reinforce_plus_plus) or the Megatron backend"
         )
     if args.attn_implementation == "flash_attention_2":
         _check_flash_attention()

@@ -45,6 +45,8 @@ from miles.utils.checkpoint_layout import (
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
+VALUE_MODEL_KEY = "value_model"
+"""meta.json's `extra` entry of a critic's checkpoint: a one-label token-classification model."""
 LORA_CONFIG_KEY = "lora_config"
 """meta.json's `extra` entry of a LoRA run: the adapter_config.json of the saved adapters, which
 alone the checkpoint holds (the base is the run's --hf-checkpoint)."""
@@ -319,7 +321,7 @@ def export_checkpoint_to_hf(
     its adapters only: they go onto `hf_checkpoint`'s weights, and the export is the merged
     model, or with `adapter_only` the PEFT adapter directory.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     path = Path(checkpoint)
     if not (path / META_FILE).is_file():
@@ -348,7 +350,11 @@ def export_checkpoint_to_hf(
         if model is None:
             return path
     else:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        value_model = bool(meta.get("extra", {}).get(VALUE_MODEL_KEY, False))
+        if value_model:
+            config.num_labels = 1
+        auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+        model = auto.from_config(config, torch_dtype=torch.float32)
         state = get_model_state_dict(model)
         _dcp_load(state, path / "model")
         set_model_state_dict(model, state)

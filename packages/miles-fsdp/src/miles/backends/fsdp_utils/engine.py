@@ -87,7 +87,8 @@ def check_device_support(args: FSDPArgs) -> None:
 
 
 class FSDPEngine:
-    """One rank of the FSDP2 policy (and, when asked, a frozen reference model)."""
+    """One rank of the FSDP2 policy (and, when asked, a frozen reference model), or of PPO's
+    value model (`value_model`: its "log-probs" are values, `CriticTrainer`'s engine)."""
 
     def __init__(
         self,
@@ -97,6 +98,7 @@ class FSDPEngine:
         device: torch.device,
         world_size: int,
         with_ref: bool,
+        value_model: bool = False,
     ) -> None:
         check_device_support(args)
         self.args, self.hf_checkpoint = args, spec.hf_checkpoint
@@ -110,6 +112,7 @@ class FSDPEngine:
         self.precision = PrecisionPolicy.from_args(args, get_device_info().kind)
         self.engine_dtype = self.precision.engine_dtype
         self.lora: LoraArgs | None = args if args.uses_lora else None
+        self.value_model = value_model
         self.model = self._build_model(meshes["fsdp"], trainable=True)
         self.routing = (
             PackedRouting(self.model, spec.routing_replay, args.attn_implementation)
@@ -133,11 +136,14 @@ class FSDPEngine:
             else None
         )
         # --ref-load may name another architecture than the policy's: each model says for itself.
+        # A value model's head reads hidden states, which the shared-prompt forward (made for
+        # the LM head's logits) does not hand out.
         self.sharing_models = {
             id(model)
             for model in (self.model, self.ref_model)
-            if model is not None and args.share_prompt_forward and _can_share_prompts(model, args)
-        }
+            if model is not None and args.share_prompt_forward and not value_model
+            and _can_share_prompts(model, args)
+        }  # fmt: skip
         # fused: one kernel over all parameters. On CPU it took 2.6 ms a step against 12-16 ms
         # for foreach (3.2M parameters, one thread) and 12% of a small model's step for the
         # per-parameter loop, torch's CPU default. foreach where the device has no fused kernel.
@@ -174,6 +180,7 @@ class FSDPEngine:
             gradient_checkpointing=self.args.gradient_checkpointing,
             trainable=trainable,
             lora=self.lora if trainable else None,
+            value_head=self.value_model,
         )
 
     def _moe_stats(self, args: FSDPArgs) -> MoEStats | None:
@@ -219,6 +226,9 @@ class FSDPEngine:
                     model, packed, attn_implementation=self.args.attn_implementation,
                     device=self.device, positions=positions,
                 )  # (sum R, V): only where a response token is predicted  # fmt: skip
+        if self.value_model:  # (sum R, 1): the value of the state before each response token
+            values = logits[:, 0].float()
+            return values, torch.zeros_like(values), None
         positions = positions.to(self.device)
         targets = packed.input_ids[0].to(self.device)[positions + 1]  # (sum R,)
         scored = SCORED_TOKEN_IDS in micro
@@ -391,6 +401,8 @@ class FSDPEngine:
         if self.lora is not None:
             # The adapters alone are saved (the base is --hf-checkpoint); export rebuilds them.
             extra = {**extra, checkpoint.LORA_CONFIG_KEY: self.adapter_config()}
+        if self.value_model:  # export rebuilds a token-classification model with one label
+            extra = {**extra, checkpoint.VALUE_MODEL_KEY: True}
         checkpoint.save_checkpoint(
             directory,
             rollout_id,

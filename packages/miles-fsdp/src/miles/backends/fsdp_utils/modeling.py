@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
 from miles.backends.fsdp_utils.lora import add_adapters
@@ -37,12 +37,14 @@ def build_fsdp_model(
     gradient_checkpointing: bool,
     trainable: bool = True,
     lora: LoraArgs | None = None,
+    value_head: bool = False,
 ) -> nn.Module:
     """Load the checkpoint on rank 0, shard it over `mesh`, and give every rank its shards.
 
     `lora`: add PEFT adapters to the targeted layers before sharding (the base frozen); rank 0
     initialises them (or reads --lora-adapter-path) and the other ranks receive them with the
-    weights.
+    weights. `value_head`: PPO's value model, the checkpoint's transformer under a one-label
+    token-classification head (new, initialised by rank 0, when the checkpoint has none).
 
     Order as in torchtitan: activation checkpointing is set on the layers before they become
     FSDP units; each decoder layer is its own unit (one all-gather per layer, overlapped with
@@ -50,16 +52,19 @@ def build_fsdp_model(
     weights live in one unit and stay one parameter.
     """
     rank = dist.get_rank()
-    config = AutoConfig.from_pretrained(hf_checkpoint)
+    head = {"num_labels": 1} if value_head else {}
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(hf_checkpoint, **head)
     full_state: dict[str, torch.Tensor] = {}
     if rank == 0:
-        model = AutoModelForCausalLM.from_pretrained(
-            hf_checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        model = auto.from_pretrained(
+            hf_checkpoint, config=config, dtype=torch.float32,
+            attn_implementation=attn_implementation,
+        )  # fmt: skip
     else:
         # Same architecture, no memory: rank 0's weights arrive after sharding.
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            model = auto.from_config(
                 config, dtype=torch.float32, attn_implementation=attn_implementation
             )
     model.config.use_cache = False

@@ -49,6 +49,16 @@ class DataIterator(Iterator[RolloutBatch]):
         """Start again from the first micro-batch (e.g. the log-prob pass, then the train pass)."""
         self._position = 0
 
+    def per_sample(self, per_micro_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token results of each micro-batch ((sum R,) over its samples, in its order) as
+        one (R,) tensor per sample of the batch, in the batch's order."""
+        out: list[torch.Tensor | None] = [None] * sum(len(rows) for rows in self.micro_batches)
+        for rows, results in zip(self.micro_batches, per_micro_batch, strict=True):
+            lengths = [self.batch["response_lengths"][row] for row in rows]
+            for row, piece in zip(rows, results.split(lengths), strict=True):
+                out[row] = piece
+        return out  # type: ignore[return-value]
+
 
 def get_data_iterator(
     batch: RolloutBatch,

@@ -48,6 +48,7 @@ from miles.backends.training_utils.infra.metrics import (
     log_train_step,
     token_weighted,
 )
+from miles.backends.training_utils.step.critic import CriticTrainer
 from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS, TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,12 @@ class PolicyTrainer:
         max_tokens_per_gpu: int | None,
         use_rollout_logprobs: bool = False,
         distillation: DistillationConfig | None = None,
+        critic: TrainEngine | None = None,
     ) -> None:
         """`micro_batch_size` and `max_tokens_per_gpu`: exactly one is set (fixed micro-batches
         of that many samples, or dynamic ones of at most that many tokens per GPU).
-        `distillation`: with --use-opd, the teacher KL enters the advantages or the loss."""
+        `distillation`: with --use-opd, the teacher KL enters the advantages or the loss.
+        `critic`: the value model's engine, for an estimator that reads values (ppo)."""
         if (micro_batch_size is None) == (max_tokens_per_gpu is None):
             raise ValueError(
                 "pass either micro_batch_size (fixed micro-batches) or max_tokens_per_gpu "
@@ -93,6 +96,18 @@ class PolicyTrainer:
         self.use_rollout_logprobs = use_rollout_logprobs
         self.global_step = 0
         """Optimizer steps taken so far (restored on resume)."""
+        if ("values" in self.inputs) != (critic is not None):
+            raise ValueError(
+                f"--advantage-estimator {loss.advantage_estimator} "
+                + ("reads a critic's values, but no critic engine was given"
+                   if critic is None else "reads no values, but a critic engine was given")
+            )  # fmt: skip
+        self.critic = (
+            CriticTrainer(critic, loss, global_batch_size=global_batch_size,
+                          micro_batches=self._micro_batches)
+            if critic is not None
+            else None
+        )  # fmt: skip
 
     @staticmethod
     def check_settings(loss: LossConfig, *, use_rollout_logprobs: bool) -> None:
@@ -112,8 +127,10 @@ class PolicyTrainer:
 
     # -- the rollout --------------------------------------------------------------------------
 
-    def train(self, batch: RolloutBatch) -> list[dict[str, float]]:
-        """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
+    def train(self, batch: RolloutBatch, *, train_policy: bool = True) -> list[dict[str, float]]:
+        """Take this rollout's optimizer steps on this rank's shard; each step's metrics. With a
+        critic, its steps follow the policy's, their metrics beside the policy's; without
+        `train_policy` (--num-critic-only-steps) only the critic trains."""
         num_steps = self._num_steps(batch_size(batch))
         # With one optimizer step the old policy *is* the policy when the step starts: its
         # log-probs come from the step's own forward (detached), not from a second pass. A KL
@@ -127,11 +144,14 @@ class PolicyTrainer:
         )
         self._prepare(batch, old_from_step=old_from_step)
         per_step = batch_size(batch) // num_steps
-        metrics = []
-        for step in range(num_steps):
+        metrics: list[dict[str, float]] = [{} for _ in range(num_steps)]
+        for step in range(num_steps if train_policy else 0):
             rows = range(step * per_step, (step + 1) * per_step)
-            metrics.append(self._step(select_rows(batch, rows), old_from_step=old_from_step))
-            logger.info("step %d/%d: %s", step + 1, num_steps, metrics[-1])
+            metrics[step] = self._step(select_rows(batch, rows), old_from_step=old_from_step)
+            logger.info("step %d/%d: %s", step + 1, num_steps, metrics[step])
+        if self.critic is not None:
+            for step, critic_metrics in enumerate(self.critic.train(batch)):
+                metrics[step].update(critic_metrics)
         return metrics
 
     def logprob_gap(self, batch: RolloutBatch) -> float:
@@ -167,11 +187,8 @@ class PolicyTrainer:
     def _prepare(self, batch: RolloutBatch, *, old_from_step: bool) -> None:
         """The batch inputs needed before the first step, for the whole shard."""
         inputs = self.inputs
-        if "values" in inputs:
-            raise ValueError(
-                f"--advantage-estimator {self.config.advantage_estimator} needs a critic's "
-                "values, and no backend trains a critic yet; use a critic-free estimator (grpo)"
-            )
+        if self.critic is not None:
+            batch["values"] = self.critic.values(batch)
         if "rollout_log_probs" in inputs or self.use_rollout_logprobs:
             _require_rollout_log_probs(batch, self.use_rollout_logprobs)
         if "old_log_probs" in inputs and not old_from_step:
@@ -337,14 +354,9 @@ class PolicyTrainer:
         """Per-sample (R,) log-probs of the policy (or reference) over the shard, no gradients."""
         iterator = self._micro_batches(batch)
         micro_batches = list(iterator)
-        results = self.engine.forward_log_probs(micro_batches, reference=reference)
-        out: list[Tensor | None] = [None] * batch_size(batch)
-        for rows, micro, log_probs in zip(
-            iterator.micro_batches, micro_batches, results, strict=True
-        ):
-            for row, piece in zip(rows, log_probs.split(micro["response_lengths"]), strict=True):
-                out[row] = piece
-        return out  # type: ignore[return-value]
+        return iterator.per_sample(
+            self.engine.forward_log_probs(micro_batches, reference=reference)
+        )
 
     def _all_reduce(self, values: Tensor, op: Any = None) -> Tensor:
         """`values` (float64, CPU) reduced over the data-parallel replicas (SUM by default)."""
