@@ -151,6 +151,24 @@ def test_a_lora_run_trains_and_its_engines_run_the_trainers_adapted_model(
     assert all(math.isfinite(r["train/loss"]) for r in records)
 
 
+def test_a_ppo_run_trains_its_critic_after_critic_only_rollouts_and_saves_both(assets, tmp_path):
+    """--advantage-estimator ppo: the critic shares the policy's ranks; the first rollout trains
+    it alone, then both train; both are saved, the critic under <save>/critic."""
+    save = tmp_path / "checkpoints"
+    records = run(
+        assets, tmp_path / "run", "--num-rollout", "2", "--advantage-estimator", "ppo",
+        "--num-critic-only-steps", "1", "--critic-lr", "1e-3", "--save", str(save),
+        "--save-interval", "1",
+    )  # fmt: skip
+    assert [r["rollout_id"] for r in records] == [0, 1]
+    assert "train/loss" not in records[0] and "train/loss" in records[1]
+    for record in records:
+        assert math.isfinite(record["critic/value_loss"])
+        assert "critic/explained_variance" in record and "critic/returns_mean" in record
+    assert (save / POINTER_FILE).read_text().strip() == "1"
+    assert (save / "critic" / POINTER_FILE).read_text().strip() == "1"
+
+
 FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correction", "tis",
                "--max-weight-staleness", "1", "--save-interval", "1"]  # fmt: skip
 
