@@ -134,14 +134,18 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2",
         # The engine gets the adapted layers merged; the fully-async loop.
         ["--rollout-num-gpus", "1", "--lora-sync", "merged", "--fully-async",
          "--off-policy-correction", "tis", "--max-weight-staleness", "1"],
+        # One-step async, and on-policy distillation from a teacher (the start checkpoint).
+        ["--rollout-num-gpus", "1", "--async-train", "--off-policy-correction", "tis",
+         "--use-opd", "--opd-teacher-checkpoint", "{checkpoint}", "--opd-kl-coef", "0.5"],
     ],
-    ids=["colocated-adapter-sync-kl", "disaggregated-merged-sync-fully-async"],
+    ids=["colocated-adapter-sync-kl", "disaggregated-merged-sync-fully-async", "async-opd"],
 )  # fmt: skip
 def test_a_lora_run_trains_and_its_engines_run_the_trainers_adapted_model(
     assets, tmp_path, placement
 ):
     checkpoint, _ = assets
     adapter = random_lora_adapter(checkpoint, tmp_path / "adapter", rank=4)
+    placement = [flag.format(checkpoint=checkpoint) for flag in placement]
     records = run(
         assets, tmp_path / "run", "--num-rollout", "2", *LORA, "--lora-adapter-path",
         str(adapter), *placement,
