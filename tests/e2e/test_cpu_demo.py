@@ -93,11 +93,10 @@ def test_the_demos_grpo_stage_with_lora_learns_and_exports_a_peft_adapter(demo, 
 
 
 # The demo's RL stage with PPO and a critic (the SFT model under a new value head, on the
-# policy's ranks): lr 0.004, critic lr 0.005, value clip 0.5, three critic-only rollouts, GAE
-# with gamma = lambda = 1. Numbers for three seeds are in docs/guides/ppo.md.
-PPO_FLAGS = ["--advantage-estimator", "ppo", "--lr", "0.004", "--critic-lr", "0.005",
-             "--value-clip", "0.5", "--num-critic-only-steps", "3", "--seed", "1",
-             "--rollout-seed", "1"]  # fmt: skip
+# policy's ranks): lr 0.004, critic lr 0.001, three critic-only rollouts, GAE with gamma =
+# lambda = 1. Numbers for three seeds are in docs/guides/ppo.md.
+PPO_FLAGS = ["--advantage-estimator", "ppo", "--lr", "0.004", "--critic-lr", "0.001",
+             "--num-critic-only-steps", "3", "--seed", "1", "--rollout-seed", "1"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -119,7 +118,7 @@ def test_the_demos_rl_stage_with_ppo_and_a_critic_learns(demo, tmp_path):
           f"variance, median of the last 10 rollouts: {late:.3f}")  # fmt: skip
     assert heldout[-1] - heldout[0] >= 0.3, f"PPO moved the held-out reward {heldout}"
     # A rollout the policy nearly solves has returns of almost no variance, and its explained
-    # variance swings far below 0 (-2 at worst); the median of the last ten ends above 0.
+    # variance swings far below 0 (-0.4 here); the median of the last ten ends above 0.
     assert late > 0, f"the critic explains none of the returns' variance: {explained}"
 
 
