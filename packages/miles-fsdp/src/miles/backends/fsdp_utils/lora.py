@@ -175,13 +175,10 @@ def check_lora_checkpoint(args: LoraArgs, hf_checkpoint: str) -> None:
         return
     _check_target_names(args.target_module_names(), model, "--target-modules")
     _check_target_names(args.exclude_module_names(), model, "--exclude-modules")
-    try:
-        get_peft_model(model, lora_config(args))
-    except ValueError as err:
-        raise ValueError(
-            f"--target-modules {args.target_modules}: PEFT cannot add adapters to "
-            f"{hf_checkpoint}: {err}"
-        ) from err
+    _add_adapters_or_explain(
+        model, args, f"--target-modules {args.target_modules}: PEFT cannot add adapters to "
+        f"{hf_checkpoint}",
+    )  # fmt: skip
     if not has_adapters(model):
         raise ValueError(
             f"--target-modules {args.target_modules} with --exclude-modules "
@@ -258,22 +255,26 @@ def _check_adapter_dir(args: LoraArgs, model: nn.Module, hf_checkpoint: str) -> 
                 f"--lora-adapter-path {path} sets {key}={saved[key]!r}, which miles does not "
                 "train or serve; use a plain LoRA adapter"
             )
-    try:
-        get_peft_model(model, lora_config(args))
-    except ValueError as err:
-        raise ValueError(
-            f"--lora-adapter-path {path} does not fit {hf_checkpoint} (trained on another "
-            f"base? it names {saved.get('base_model_name_or_path')!r}): {err}"
-        ) from err
+    misfit = (
+        f"--lora-adapter-path {path} does not fit {hf_checkpoint} (trained on another base? it "
+        f"names {saved.get('base_model_name_or_path')!r})"
+    )
+    _add_adapters_or_explain(model, args, misfit)
     expected = {name: tuple(t.shape) for name, t in adapter_matrices(model)}
     found = _safetensors_shapes(weights_file)
     for name, shape in expected.items():
         if found.get(name) != shape:
             raise ValueError(
-                f"--lora-adapter-path {path} does not fit {hf_checkpoint} (trained on another "
-                f"base? it names {saved.get('base_model_name_or_path')!r}): {name} is "
-                f"{found.get(name, 'missing')}, the model needs {shape}"
+                f"{misfit}: {name} is {found.get(name, 'missing')}, the model needs {shape}"
             )
+
+
+def _add_adapters_or_explain(model: nn.Module, args: LoraArgs, why: str) -> None:
+    """PEFT's adapters on the (meta) model, or a ValueError that starts with `why`."""
+    try:
+        get_peft_model(model, lora_config(args))
+    except ValueError as err:
+        raise ValueError(f"{why}: {err}") from err
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

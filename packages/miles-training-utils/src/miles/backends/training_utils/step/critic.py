@@ -16,10 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from miles.backends.training_utils.algorithms.loss import LossNormalizer, value_loss_function
+from miles.backends.training_utils.algorithms.loss import value_loss_function
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.backends.training_utils.batching.rollout_data import (
     RolloutBatch,
@@ -27,8 +26,12 @@ from miles.backends.training_utils.batching.rollout_data import (
     select_rows,
 )
 from miles.backends.training_utils.batching.train_batches import DataIterator, token_columns
-from miles.backends.training_utils.infra.device import collective_device
-from miles.backends.training_utils.infra.metrics import aggregate_train_losses
+from miles.backends.training_utils.step.optimizer_step import (
+    all_reduce_over_replicas,
+    loss_normalizer,
+    loss_pair,
+    take_optimizer_step,
+)
 from miles.backends.training_utils.step.train_engine import TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -86,14 +89,7 @@ class CriticTrainer:
         return metrics
 
     def _step(self, step_batch: RolloutBatch, micro_batches: list[RolloutBatch]) -> dict:
-        local_tokens = torch.tensor(
-            [float(sum(sum(mask) for mask in step_batch["loss_mask"]))], dtype=torch.float64
-        )
-        normalizer = LossNormalizer(
-            num_samples=self.global_batch_size,
-            num_tokens=int(self._all_reduce(local_tokens).item()),
-            dp_size=self.engine.dp_size,
-        )
+        normalizer = loss_normalizer(self.engine, step_batch, self.global_batch_size)
 
         def loss_fn(index: int, values: Tensor, entropy: Tensor, scored: Tensor | None):
             micro = micro_batches[index]
@@ -106,17 +102,11 @@ class CriticTrainer:
                 "response_lengths": micro["response_lengths"],
             }
             loss, metrics = value_loss_function(inputs, self.config, normalizer)
-            weight = torch.tensor(1.0 / len(micro_batches), dtype=torch.float64)
-            metrics["loss"] = torch.stack([loss.detach().double().cpu(), weight])
+            metrics["loss"] = loss_pair(loss, len(micro_batches))
             return loss, metrics
 
-        self.engine.zero_grad()
-        pairs = self.engine.forward_backward(micro_batches, loss_fn)
-        result = self.engine.optimizer_step()
-        if not result.applied:
-            logger.warning("critic step skipped: gradient norm %s", result.grad_norm)
+        reduced, result = take_optimizer_step(self.engine, micro_batches, loss_fn, "critic")
         self.global_step += 1
-        reduced = aggregate_train_losses(pairs, group=self.engine.dp_group)
         return {
             "critic/step": float(self.global_step),
             "critic/lr": float(result.lr),
@@ -136,7 +126,7 @@ class CriticTrainer:
             r = torch.as_tensor(returns, dtype=torch.float64) * m
             d = r - v
             sums += torch.stack([m.sum(), v.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])
-        n, v_sum, r_sum, r_sq, d_sum, d_sq = self._all_reduce(sums).tolist()
+        n, v_sum, r_sum, r_sq, d_sum, d_sq = all_reduce_over_replicas(self.engine, sums).tolist()
         n = max(n, 1.0)
         var_returns = r_sq / n - (r_sum / n) ** 2
         var_residual = d_sq / n - (d_sum / n) ** 2
@@ -146,11 +136,3 @@ class CriticTrainer:
             "critic/returns_mean": r_sum / n,
             "critic/explained_variance": explained,
         }
-
-    def _all_reduce(self, values: Tensor) -> Tensor:
-        group = self.engine.dp_group
-        if group is None:
-            return values
-        on_device = values.to(collective_device(group))
-        dist.all_reduce(on_device, group=group)
-        return on_device.cpu()

@@ -42,13 +42,17 @@ from miles.backends.training_utils.batching.train_batches import (
     token_columns,
     token_rows,
 )
-from miles.backends.training_utils.infra.device import collective_device
 from miles.backends.training_utils.infra.metrics import (
-    aggregate_train_losses,
     log_train_step,
     token_weighted,
 )
 from miles.backends.training_utils.step.critic import CriticTrainer
+from miles.backends.training_utils.step.optimizer_step import (
+    all_reduce_over_replicas,
+    loss_normalizer,
+    loss_pair,
+    take_optimizer_step,
+)
 from miles.backends.training_utils.step.train_engine import SCORED_TOKEN_IDS, TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -228,14 +232,7 @@ class PolicyTrainer:
 
     def _step(self, step_batch: RolloutBatch, *, old_from_step: bool) -> dict[str, float]:
         """One optimizer step over this rank's share of one global batch."""
-        local_tokens = torch.tensor(
-            [float(sum(sum(mask) for mask in step_batch["loss_mask"]))], dtype=torch.float64
-        )
-        normalizer = LossNormalizer(
-            num_samples=self.global_batch_size,
-            num_tokens=int(self._all_reduce(local_tokens).item()),
-            dp_size=self.engine.dp_size,
-        )
+        normalizer = loss_normalizer(self.engine, step_batch, self.global_batch_size)
         micro_batches = list(self._micro_batches(step_batch))
         # Each batch input the loss reads is the shard column of the same name.
         loss_columns = [
@@ -265,20 +262,11 @@ class PolicyTrainer:
                 loss = loss + self._teacher_kl_term(inputs, teacher, normalizer, metrics)
             if self.distillation is not None and self.distillation.teacher_top_k:
                 loss = loss + self._topk_term(inputs, micro, scored, normalizer, metrics)
-            # Each micro-batch's loss carries reduce_loss's x dp factor; weighted 1 / (micro-
-            # batches per rank), the weights over every rank add up to dp, so the mean is the
-            # global batch's loss.
-            weight = torch.tensor(1.0 / len(micro_batches), dtype=torch.float64)
-            metrics["loss"] = torch.stack([loss.detach().double().cpu(), weight])
+            metrics["loss"] = loss_pair(loss, len(micro_batches))
             return loss, metrics
 
-        self.engine.zero_grad()
-        pairs = self.engine.forward_backward(micro_batches, loss_fn)
-        result = self.engine.optimizer_step()
-        if not result.applied:
-            logger.warning("optimizer step skipped: gradient norm %s", result.grad_norm)
+        metrics, result = take_optimizer_step(self.engine, micro_batches, loss_fn, "optimizer")
         self.global_step += 1
-        metrics = aggregate_train_losses(pairs, group=self.engine.dp_group)
         return log_train_step(
             metrics, step=self.global_step, lr=result.lr, grad_norm=result.grad_norm
         )
@@ -360,12 +348,7 @@ class PolicyTrainer:
 
     def _all_reduce(self, values: Tensor, op: Any = None) -> Tensor:
         """`values` (float64, CPU) reduced over the data-parallel replicas (SUM by default)."""
-        group = self.engine.dp_group
-        if group is None:
-            return values
-        on_device = values.to(collective_device(group))
-        dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM, group=group)
-        return on_device.cpu()
+        return all_reduce_over_replicas(self.engine, values, op)
 
 
 def _require_rollout_log_probs(batch: RolloutBatch, use_rollout_logprobs: bool) -> None:
