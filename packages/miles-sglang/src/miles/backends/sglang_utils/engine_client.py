@@ -329,6 +329,20 @@ class EngineClient(EngineTransport):
         payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
         return await self._post_update("/update_weight_version", payload)
 
+    # -- profiling ----------------------------------------------------------------------------
+
+    async def start_profile(
+        self, output_dir: str, activities: list[str] | None = None
+    ) -> dict[str, Any]:
+        """POST /start_profile: the engine's own torch.profiler, until stop_profile; its trace
+        goes to `output_dir` on the engine's host. Answers `{"success", "message"}`."""
+        payload = _drop_none({"output_dir": output_dir, "activities": activities})
+        return await self._post_update("/start_profile", payload)
+
+    async def stop_profile(self) -> dict[str, Any]:
+        """POST /stop_profile: end the profile and write its trace. Answers as start_profile."""
+        return await self._post_update("/stop_profile", {})
+
 
 def _json_or_none(text: str) -> Any:
     try:

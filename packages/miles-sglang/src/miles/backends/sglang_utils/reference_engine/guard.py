@@ -24,7 +24,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
     "/continue_generation", "/abort_request", "/flush_cache", "/load_lora_adapter",
-    "/unload_lora_adapter", "/update_weight_version",
+    "/unload_lora_adapter", "/update_weight_version", "/start_profile", "/stop_profile",
 })  # fmt: skip
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 

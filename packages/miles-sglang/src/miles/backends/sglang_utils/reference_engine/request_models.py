@@ -73,6 +73,18 @@ class ControlBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class StartProfileBody(ControlBody):
+    """SGLang's /start_profile fields that the reference engine honours; it profiles from start
+    to stop, so the step-counted ones are refused."""
+
+    output_dir: StrictStr | None = None
+    activities: list[StrictStr] = ["CPU", "GPU"]
+    with_stack: StrictBool = False
+    record_shapes: StrictBool = False
+    start_step: None = None
+    num_steps: None = None
+
+
 class PauseBody(ControlBody):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

@@ -23,6 +23,7 @@ from miles.backends.sglang_utils.reference_engine.errors import (
 from miles.backends.sglang_utils.reference_engine.guard import Guard
 from miles.backends.sglang_utils.reference_engine.lora_routes import add_lora_routes
 from miles.backends.sglang_utils.reference_engine.openai_routes import add_openai_routes
+from miles.backends.sglang_utils.reference_engine.profile_routes import add_profile_routes
 from miles.backends.sglang_utils.reference_engine.serving import error_response
 from miles.backends.sglang_utils.reference_engine.sglang_routes import add_sglang_routes
 
@@ -51,5 +52,6 @@ def create_app(engine: ReferenceEngine) -> FastAPI:
 
     add_sglang_routes(app, engine)
     add_lora_routes(app, engine)
+    add_profile_routes(app, engine)
     add_openai_routes(app, engine)
     return app
