@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from miles.rollout.data_source import DataSourceConfig
     from miles.rollout.rewards import RewardConfig
     from miles.rollout.rollout_config import RolloutConfig
+    from miles.utils.observability.config import ObservabilityConfig
 
 
 def check_placement(cluster: ClusterConfig, distillation: DistillationConfig) -> None:
@@ -324,4 +325,27 @@ def check_parallel_sizes(
             f"--global-batch-size ({gbs}) must be divisible by the data-parallel size "
             f"({dp} = --actor-num-nodes x --actor-num-gpus-per-node{split}); use a multiple "
             f"of {dp}"
+        )
+
+
+def check_observability(observability: ObservabilityConfig, training: TrainingConfig) -> None:
+    """A profiled process the run has, and a profiling window inside the run."""
+    targets = observability.profiles
+    if not targets:
+        return
+    without = {"train": ("--debug-rollout-only", training.debug_rollout_only)}
+    for target in ("rollout-manager", "engine"):
+        without[target] = ("--debug-train-only", training.debug_train_only)
+    for target in targets:
+        flag, missing = without[target]
+        if missing:
+            raise ValueError(
+                f"--profile-target {target}: a run with {flag} has no such process to profile; "
+                f"drop {target} from --profile-target"
+            )
+    num_rollout = training.num_rollout
+    if num_rollout is not None and observability.profile_step_start >= num_rollout:
+        raise ValueError(
+            f"--profile-step-start {observability.profile_step_start} is past the run's last "
+            f"rollout ({num_rollout - 1}, --num-rollout {num_rollout}); profile an earlier rollout"
         )

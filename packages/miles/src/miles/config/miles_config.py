@@ -32,6 +32,7 @@ from miles.config.trainer_args import TrainerArgs
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rewards import RewardConfig
 from miles.rollout.rollout_config import RolloutConfig
+from miles.utils.observability.config import ObservabilityConfig
 
 
 @dataclass(kw_only=True)
@@ -50,6 +51,8 @@ class MilesConfig:
     checkpoint: CheckpointConfig
     eval: EvalConfig
     logging: LoggingConfig
+    observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
+    """MLflow, Prometheus, profiling and memory records (off by default)."""
     backend: TrainerArgs | None = None
     """The backend's settings (e.g. FSDPArgs); None only for a schema without a backend."""
 
@@ -102,6 +105,7 @@ class MilesConfig:
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)
         cross_checks.check_labels(self.reward, self.data)
+        cross_checks.check_observability(self.observability, training)
         cross_checks.check_parallel_sizes(
             cluster, training, model_parallel_size=self.model_parallel_size
         )
@@ -123,6 +127,8 @@ class MilesConfig:
         self.engine.engine_log_dir = paths.absolute(self.engine.engine_log_dir)
         training.save_debug_rollout_data = paths.absolute(training.save_debug_rollout_data)
         training.load_debug_rollout_data = paths.absolute(training.load_debug_rollout_data)
+        observability = self.observability
+        observability.memory_snapshot_dir = paths.absolute(observability.memory_snapshot_dir)
         if self.backend is not None:
             self.backend.lora_adapter_path = paths.absolute(self.backend.lora_adapter_path)
             self.backend.lora_sync_dir = paths.absolute(self.backend.lora_sync_dir)

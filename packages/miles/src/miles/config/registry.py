@@ -27,6 +27,7 @@ from miles.config.trainer_args import TrainerArgs
 from miles.rollout.data_source import DataSourceConfig
 from miles.rollout.rewards import RewardConfig
 from miles.rollout.rollout_config import RolloutConfig
+from miles.utils.observability.config import ObservabilityConfig
 from miles.utils.plugins import TRAIN_BACKEND_ARGS, load_plugin
 
 CORE_GROUPS: dict[str, type] = {
@@ -42,6 +43,7 @@ CORE_GROUPS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
     "logging": LoggingConfig,
+    "observability": ObservabilityConfig,
 }
 """Group name -> dataclass, in the order of `--help` and the generated reference."""
 
