@@ -1,4 +1,4 @@
-"""The `miles` subcommands that do work: train, plot, export-hf."""
+"""The `miles` subcommands that do work: train, plot, report, export-hf."""
 
 from __future__ import annotations
 
@@ -40,7 +40,33 @@ def run_train(argv: list[str]) -> int:
 
         log = write_failure_log(config.logging.output_dir, err)
         print(f"miles train: failed: {describe(err)}\n(full traceback: {log})", file=sys.stderr)
+        if config.observability.use_mlflow:
+            _attach_to_mlflow(config.logging.output_dir, log)
         return 1
+    return 0
+
+
+def _attach_to_mlflow(output_dir: str, log: object) -> None:
+    from miles.utils.observability.mlflow_tracking import attach_failure_log
+
+    try:
+        run_id = attach_failure_log(output_dir, str(log))
+    except Exception as err:  # the run's own failure is the story; say this one after it
+        print(f"miles train: could not attach {log} to MLflow: {err}", file=sys.stderr)
+        return
+    if run_id is not None:
+        print(f"(attached to MLflow run {run_id})", file=sys.stderr)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from miles.utils.observability.report import write_report
+
+    try:
+        path = write_report(args.run_dir, args.out)
+    except FileNotFoundError as err:
+        print(f"miles report: error: {err}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 

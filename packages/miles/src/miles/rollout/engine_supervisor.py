@@ -202,10 +202,12 @@ class EngineSupervisor:
             self.pool.admit(url)
 
     def metrics(self) -> dict[str, float]:
-        """Restarts so far, requests sent again, seconds engines spent out of service."""
+        """Restarts so far, requests sent again, seconds engines spent out of service, and the
+        engines serving now."""
         now = time.monotonic()
         down = sum(now - lost_at for lost_at in self._lost_at.values())
         return {
+            "engine/serving": float(len(self.pool.serving())),
             "engine/restarts": float(sum(self.restarts.values())),
             "engine/reissued_requests": float(self.pool.reissued_requests),
             "engine/seconds_lost": self.seconds_lost + down,

@@ -74,6 +74,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/failed_ratio": _ratio(samples, SampleStatus.FAILED),
         f"{prefix}/groups_with_reward_spread": sum(spread) / len(groups),
         f"{prefix}/samples": float(len(samples)),
+        f"{prefix}/response_tokens": float(sum(lengths)),
     }
     # Multi-turn samples (tool rollouts, agent sessions) say how many model turns they took.
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]

@@ -12,8 +12,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,20 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class MetricSink(Protocol):
+    """Another place a run's records go (MLflow, the Prometheus endpoint:
+    `miles.utils.observability`); the tracker hands each one every record."""
+
+    def log(self, metrics: dict[str, Any], *, step: int) -> None: ...
+
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and release; `failed`: the run ended with an error."""
+        ...
+
+
 class Tracker:
-    """Fan-out of metrics to the JSONL file and the optional TensorBoard / W&B backends."""
+    """Fan-out of metrics to the JSONL file, the optional TensorBoard / W&B backends and any
+    further sinks."""
 
     def __init__(
         self,
@@ -98,8 +111,10 @@ class Tracker:
         wandb_run_name: str | None = None,
         run_config: dict[str, Any] | None = None,
         resume_from: int | None = None,
+        sinks: Sequence[MetricSink] = (),
     ):
         self.output_dir = Path(output_dir)
+        self.sinks = list(sinks)
         self.jsonl = JsonlWriter(self.output_dir / METRICS_FILE, resume_from=resume_from)
         self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
         self._wandb = (
@@ -120,13 +135,20 @@ class Tracker:
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
+        for sink in self.sinks:
+            sink.log(metrics, step=step)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self.jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+        for sink in self.sinks:
+            try:
+                sink.close(failed=failed)
+            except Exception:  # one sink's failure must not keep the others open
+                logger.exception("closing the metric sink %s", type(sink).__name__)
 
 
 def _open_tensorboard(output_dir: Path) -> Any:
