@@ -323,6 +323,16 @@ class EngineFleet:
         """Process ids of the engine servers (for monitoring, and tests that check shutdown)."""
         return list(await asyncio.gather(*[a.pid.remote() for a in self.engine_actors]))
 
+    async def engine_processes(self) -> dict[str, tuple[int, str]]:
+        """{"engine_<i>": (server pid, Ray node id)} of the engines running now."""
+        pids = await asyncio.gather(*[a.pid.remote() for a in self.engine_actors])
+        nodes = await asyncio.gather(*[a.node_id.remote() for a in self.engine_actors])
+        return {
+            f"engine_{i}": (pid, node)
+            for i, (pid, node) in enumerate(zip(pids, nodes, strict=True))
+            if pid is not None
+        }
+
     @property
     def admin_key(self) -> str:
         """The admin key of these engines (for the trainers' weight pushes)."""

@@ -82,6 +82,7 @@ class RolloutManager:
         self._fully_async: FullyAsyncRollouts | None = None
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
         self._train_data_import: asyncio.Future[ModuleType] | None = None
+        self._profiling: Any = None  # a RolloutProfiling window, between start and stop
 
     async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
@@ -334,6 +335,29 @@ class RolloutManager:
             mask_offpolicy_in_partial_rollout=False,
             rollout_seed=_EVAL_ROLLOUT_SEED,
         )
+
+    # -- observability (miles.ray.observer) ---------------------------------------------------
+
+    async def start_profiling(self, targets: list[str], out_dir: str, label: str) -> None:
+        """Profile this process (py-spy) and/or the engines (their own profiler) until
+        `stop_profiling`; `targets` are --profile-target's rollout-side names."""
+        from miles.ray.rollout_profiling import RolloutProfiling
+
+        assert self._profiling is None, "stop_profiling() before the next window"
+        profiling = RolloutProfiling(targets, out_dir, label)
+        await profiling.start(list(self.engines.engine_urls), self.engines.admin_key)
+        self._profiling = profiling
+
+    async def stop_profiling(self) -> list[str]:
+        """End the window of `start_profiling`; the traces written."""
+        profiling, self._profiling = self._profiling, None
+        return [] if profiling is None else await profiling.stop(self.engines.admin_key)
+
+    async def process_ids(self) -> dict[str, tuple[int, str]]:
+        """{process label: (pid, Ray node id)} of this manager and each engine's server (whose
+        child processes count with it), for the memory record."""
+        node = ray.get_runtime_context().get_node_id()
+        return {"rollout_manager": (os.getpid(), node), **await self.engines.engine_processes()}
 
     # -- memory, checkpoints, shutdown ---------------------------------------------------------
 

@@ -63,6 +63,10 @@ class Run:
         self.engine_urls: list[str] = []
         self.trainers: RayTrainGroup | None = None
         self.tracker: Tracker | None = None
+        # --use-mlflow, --use-prometheus, --profile-target, --memory-snapshot-dir: None when
+        # all are off, and then nothing of them is imported.
+        self._sinks: Any = None  # ObservabilitySinks, until the tracker takes them
+        self.observer: Any = None  # RunObserver
         self.console: ConsoleView | None = None
         self.start_rollout_id = 0
         self.num_rollout = 0
@@ -93,8 +97,8 @@ class Run:
             raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self.close(failed=exc_type is not None)
 
     def _start(self) -> None:
         """Start everything, overlapping what can overlap: the engine processes load their model
@@ -110,6 +114,14 @@ class Run:
         if warning := uncached_bytecode_warning():
             logger.warning(warning)
         clock = StartupClock()
+        if config.observability.use_mlflow or config.observability.use_prometheus:
+            from miles.utils.observability.sinks import ObservabilitySinks
+
+            # MLflow opens its store meanwhile, in a thread (seconds of imports).
+            self._sinks = ObservabilitySinks(
+                config.observability, config.logging.output_dir,
+                run_config=_jsonable(config.flat()), resuming=resumed is not None,
+            )  # fmt: skip
         with clock.phase("ray"):
             has_gpus = self._join_ray()
         with clock.phase("placement"):
@@ -189,7 +201,16 @@ class Run:
             wandb_run_name=config.logging.wandb_run_name,
             run_config=_jsonable(config.flat()),
             resume_from=self.start_rollout_id,
+            sinks=self._sinks.ready(num_engines=len(self.engine_urls)) if self._sinks else (),
         )
+        self._sinks = None
+        if config.observability.profiles or config.observability.records_memory:
+            from miles.ray.observer import RunObserver
+
+            self.observer = RunObserver(
+                config.observability, config.logging.output_dir, trainers=self.trainers,
+                rollout_manager=self.rollout_manager, began_at=clock.began_at,
+            )  # fmt: skip
         self.console = ConsoleView(self.num_rollout, config.logging.console)
         self._startup_clock = clock
         logger.info(
@@ -276,10 +297,17 @@ class Run:
         )  # fmt: skip
         logger.info("engines %s restored at weight version %s", urls, version)
 
-    def close(self) -> None:
-        """Stop every process of the run; safe to call after a failed start."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop every process of the run; safe to call after a failed start. `failed`: the run
+        ends with an error (MLflow marks its run so)."""
         if self.console is not None:
             self.console.close()
+        if self.observer is not None:  # its profilers and samplers live in the run's processes
+            try:
+                self.observer.close()
+            except Exception as exc:
+                logger.warning("closing the profilers and memory samplers: %s", exc)
+            self.observer = None
         if self.trainers is not None:
             self.trainers.shutdown()
             self.trainers = None
@@ -294,8 +322,11 @@ class Run:
             remove_placement(self.placement)
             self.placement = None
         if self.tracker is not None:
-            self.tracker.close()
+            self.tracker.close(failed=failed)
             self.tracker = None
+        if self._sinks is not None:
+            self._sinks.abandon()
+            self._sinks = None
 
     # -- the steps of the loop ------------------------------------------------------------------
     # Each step returns what it measured; the loop merges them into the rollout's record.
@@ -303,6 +334,8 @@ class Run:
     def _phase(self, name: str, rollout_id: int | None = None) -> None:
         if self.console is not None:
             self.console.update(name, rollout_id)
+        if self.observer is not None:
+            self.observer.phase(name, rollout_id)
 
     def initial_weight_update(self) -> dict[str, float]:
         """Engines start from --hf-checkpoint; a resumed trainer holds newer weights, and the
@@ -515,6 +548,8 @@ class Run:
                 self.rollout_manager.fault_metrics.remote(), "fault_metrics"
             )
             metrics = {**metrics, **fault_metrics}
+        if self.observer is not None:  # the memory record; a profiling window may end here
+            metrics = {**metrics, **self.observer.finish_rollout(rollout_id)}
         self.tracker.log(metrics, step=rollout_id)
         if self._uncommitted_save is not None:
             assert self._uncommitted_save == rollout_id and self.trainers is not None
