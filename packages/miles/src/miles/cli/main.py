@@ -6,7 +6,7 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from miles.cli.commands import run_export_hf, run_plot, run_train
+from miles.cli.commands import run_export_hf, run_plot, run_report, run_train
 from miles.utils.plugins import ROLLOUT_ENGINES, TRAIN_BACKENDS, installed_plugins
 
 MILES_WHEELS = ("miles", "miles-training-utils", "miles-sglang", "miles-fsdp", "miles-megatron")
@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of a miles train run")
     plot.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
     plot.set_defaults(handler=run_plot)
+    report = subcommands.add_parser(
+        "report", help="write one self-contained HTML page about a run (config, curves, time "
+        "split, start-up, memory, failures, evaluation)",
+    )  # fmt: skip
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of a miles train run")
+    report.add_argument("--out", default=None, help="the HTML file (default: RUN_DIR/report.html)")
+    report.set_defaults(handler=run_report)
     export = subcommands.add_parser(
         "export-hf", help="write a saved checkpoint as a Hugging Face model directory"
     )

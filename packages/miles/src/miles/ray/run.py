@@ -530,7 +530,9 @@ class Run:
 
     def _evaluate(self, rollout_id: int) -> dict[str, float]:
         self._phase("eval", rollout_id)
+        start = time.perf_counter()
         metrics = self._await_manager(self.rollout_manager.eval.remote(rollout_id))
+        metrics["time/eval_s"] = time.perf_counter() - start
         rewards = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if rewards:
             metrics["eval/reward_mean"] = sum(rewards) / len(rewards)

@@ -20,8 +20,8 @@ _UNBLOCK_SIGINT_AND_EXEC = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
     "os.execv(sys.argv[1], sys.argv[1:])"
 )
-# How long py-spy gets to attach (it fails at once when it cannot) and to write its trace.
-_ATTACH_S = 1.0
+# The longest py-spy takes to attach (it fails at once when it cannot) and to write its trace.
+_ATTACH_S = 5.0
 _WRITE_S = 60.0
 
 
@@ -43,12 +43,22 @@ class PySpyRecording:
         command = [sys.executable, "-c", _UNBLOCK_SIGINT_AND_EXEC, *record]
         with self._log.open("w") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        time.sleep(_ATTACH_S)
-        if self._process.poll() is not None:
+        if not self._attached(pid):
             raise RuntimeError(
                 f"py-spy could not sample pid {pid}: {self._log.read_text().strip()[-500:]} "
                 "(it needs ptrace rights: CAP_SYS_PTRACE, or kernel.yama.ptrace_scope 0)"
             )
+
+    def _attached(self, pid: int) -> bool:
+        """Whether py-spy samples: it says so on its first line, or exits when it cannot."""
+        deadline = time.monotonic() + _ATTACH_S
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                return False
+            if "Sampling process" in self._log.read_text():
+                return True
+            time.sleep(0.02)
+        return self._process.poll() is None  # still running: it attached without saying so
 
     def stop(self) -> Path:
         """Stop sampling and wait for the trace file; returns its path."""
