@@ -23,8 +23,7 @@ from mlflow import MlflowClient
 from miles.utils.observability.memory_record import read_record
 from miles.utils.observability.mlflow_tracking import MlflowRunRef
 from miles.utils.observability.prometheus_metrics import SERIES
-from miles.utils.observability.report import write_report
-from miles.utils.observability.report_html import SECTIONS
+from miles.utils.observability.report_html import SECTIONS, write_report
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
 from tests.e2e.test_train_loop import tiny_config

@@ -3,7 +3,8 @@
 What it reads: config.json (the resolved config), metrics.jsonl (curves, time split, start-up,
 engine restarts and failures, held-out evaluation), the memory record of --memory-snapshot-dir
 (peak_rss.jsonl), failure.log, and the traces under profiles/. The curves are `miles plot`'s
-PNGs, embedded; the page loads nothing from anywhere else. `report_html` lays it out.
+PNGs, embedded; the page loads nothing from anywhere else. `report_html` lays it out and
+writes it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from typing import Any
 from miles.utils.failures import FAILURE_LOG
 from miles.utils.observability import memory_record
 from miles.utils.tracking import METRICS_FILE, read_metrics
-
-REPORT_FILE = "report.html"
 
 TIME_SPLIT = (
     ("generate", "time/generate_s"),
@@ -145,13 +144,3 @@ def _plots(run_dir: Path) -> dict[str, bytes]:
         except ValueError:  # no plotted metric yet
             return {}
         return {path.stem: path.read_bytes() for path in paths}
-
-
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's report (default RUN_DIR/report.html); returns its path."""
-    from miles.utils.observability.report_html import render
-
-    facts = read_run(run_dir)
-    path = Path(out) if out else facts.run_dir / REPORT_FILE
-    path.write_text(render(facts))
-    return path

@@ -11,9 +11,12 @@ import base64
 import html
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from miles.utils.observability.report import TIME_SPLIT, RunFacts
+from miles.utils.observability.report import TIME_SPLIT, RunFacts, read_run
+
+REPORT_FILE = "report.html"
 
 SECTIONS = (
     ("config", "Configuration"),
@@ -46,6 +49,15 @@ th:first-child, td:first-child { text-align: left; }
 .plots img { max-width: 48%; margin: 4px; border: 1px solid #eee; }
 pre { background: #f6f6f6; padding: 8px; overflow-x: auto; max-height: 400px; }
 """
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the report of `run_dir` (default RUN_DIR/report.html); returns its path.
+    FileNotFoundError when `run_dir` holds no run."""
+    facts = read_run(run_dir)
+    path = Path(out) if out else facts.run_dir / REPORT_FILE
+    path.write_text(render(facts))
+    return path
 
 
 def render(facts: RunFacts) -> str:
