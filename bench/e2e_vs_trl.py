@@ -93,7 +93,9 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
     with Run(config) as run:
         started = time.perf_counter()
         loop_before = engine_loop_seconds(run.engine_urls)
+        cpu_before = time.process_time()  # the driver's CPU, its threads included
         train_sync(run)
+        driver_cpu_s = time.process_time() - cpu_before
         looped = time.perf_counter()
         loop_after = engine_loop_seconds(run.engine_urls)
     closed = time.perf_counter()
@@ -136,6 +138,7 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
         "startup_s": started - begin,  # Ray + placement + engine + train actor (+ model load)
         "initial_weight_sync_s": looped - started - in_steps,
         "teardown_s": closed - looped,
+        "driver_cpu_per_rollout_s": driver_cpu_s / num_rollout,
         "response_len_mean": statistics.fmean(series("rollout/response_len_mean")),
         "reward_mean": statistics.fmean(series("rollout/reward_mean")),
     }
