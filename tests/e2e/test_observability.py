@@ -197,7 +197,8 @@ def test_the_report_renders_every_section_in_headless_chromium(observed, tmp_pat
             rows: s.querySelectorAll('tbody tr').length, empty: !!s.querySelector('.empty')})),
         images: [...document.images].map(i => i.complete && i.naturalWidth > 0),
         external: [...document.querySelectorAll('[src]')].filter(
-            e => !e.getAttribute('src').startsWith('data:')).length})"""
+            e => !e.getAttribute('src').startsWith('data:')).length,
+        overflow: document.documentElement.scrollWidth - window.innerWidth})"""
     page = load_page(report.as_uri(), check)
     assert page.errors == []
     found = json.loads(page.value)
@@ -208,3 +209,4 @@ def test_the_report_renders_every_section_in_headless_chromium(observed, tmp_pat
         assert sections[key]["rows"] > 0 and not sections[key]["empty"], key
     assert len(found["images"]) >= 4 and all(found["images"])  # the curves, decoded
     assert found["external"] == 0  # self-contained
+    assert found["overflow"] <= 0  # wide tables scroll in their section, the page does not

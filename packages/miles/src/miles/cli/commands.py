@@ -59,7 +59,6 @@ def _attach_to_mlflow(output_dir: str, log: object) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-
     from miles.utils.observability.report_html import write_report
 
     try:

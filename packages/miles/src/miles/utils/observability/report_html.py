@@ -45,7 +45,9 @@ th:first-child, td:first-child { text-align: left; }
 .bar { display: flex; height: 12px; min-width: 240px; }
 .bar span { display: block; height: 100%; }
 .generate { background: #4e79a7; } .train { background: #f28e2b; }
-.update-weights { background: #59a14f; } .save { background: #b07aa1; } .other { background: #bab0ac; }
+.update-weights { background: #59a14f; } .save { background: #b07aa1; } .eval { background: #e15759; }
+.other { background: #bab0ac; }
+.scroll { overflow-x: auto; max-width: 100%; }
 .plots img { max-width: 48%; margin: 4px; border: 1px solid #eee; }
 pre { background: #f6f6f6; padding: 8px; overflow-x: auto; max-height: 400px; }
 """
