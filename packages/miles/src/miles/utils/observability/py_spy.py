@@ -1,5 +1,6 @@
 """py-spy sampling of a Python process (--profile-target rollout-manager): a Chrome trace of its
-Python stacks, 100 samples a second, without stopping it (--nonblocking).
+Python stacks, 100 samples a second, without stopping it (--nonblocking). Idle stacks count
+(--idle): the rollout manager mostly waits on engines, and where it waits is what to see.
 
 py-spy reads the target's memory with ptrace: it needs the same user and, where the kernel's
 Yama ptrace_scope is 1 or more, CAP_SYS_PTRACE (in Docker: --cap-add SYS_PTRACE). A refused attach
@@ -36,7 +37,8 @@ class PySpyRecording:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.path.with_suffix(".py-spy.log")
         record = [executable, "record", "--pid", str(pid), "--format", "chrometrace",
-                  "--output", str(self.path), "--rate", str(rate), "--nonblocking"]  # fmt: skip
+                  "--output", str(self.path), "--rate", str(rate), "--nonblocking",
+                  "--idle"]  # fmt: skip
         # Ray runs actor calls on threads that block SIGINT, and a blocked signal stays blocked
         # across exec: py-spy would never see the Ctrl-C on which it writes its trace. The
         # shim unblocks it, then becomes py-spy.
