@@ -219,9 +219,9 @@ def test_rollout_log_probs_are_required_where_a_setting_reads_them():
 def test_a_critic_estimator_needs_a_critic_engine_and_only_it_takes_one():
     ppo = LossConfig(advantage_estimator="ppo")
     assert Algorithm.from_config(ppo).estimator.needs_critic
-    with pytest.raises(ValueError, match=r"ppo reads a critic's values, but no critic engine"):
+    with pytest.raises(ValueError, match=r"ppo reads a critic's values, but no critic was given"):
         trainer(BigramEngine(), ppo)
-    with pytest.raises(ValueError, match=r"grpo reads no values, but a critic engine was given"):
+    with pytest.raises(ValueError, match=r"grpo reads no values, but a critic was given"):
         trainer(BigramEngine(), LossConfig(), critic=BigramValueEngine())
 
 
@@ -298,6 +298,38 @@ def test_ppo_values_advantages_and_the_critics_clipped_loss_match_a_float64_refe
     flat_v = torch.cat([v.double()[m.bool()] for v, m in zip(data["values"], masks, strict=True)])
     want = 1 - float((flat_r - flat_v).var(unbiased=False) / flat_r.var(unbiased=False))
     assert explained == pytest.approx(want, rel=1e-6)
+
+
+def test_a_critic_on_ranks_of_its_own_takes_the_same_steps_as_one_on_the_policys():
+    """The three calls of a critic on its own ranks (its values, the policy's step with them,
+    the critic's step on the returns the policy left) give the policy and the critic exactly the
+    weights and metrics of one step with the critic on the policy's ranks."""
+    from miles.backends.training_utils.step.critic import CriticTrainer
+    from miles.backends.training_utils.step.micro_batches import MicroBatcher
+
+    loss = LossConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.8, value_clip=0.2)
+    joint_policy, joint_critic = BigramEngine(seed=1), BigramValueEngine(seed=3)
+    joint = trainer(joint_policy, loss, critic=joint_critic).train(batch(16, seed=4))
+
+    policy, critic_engine = BigramEngine(seed=1), BigramValueEngine(seed=3)
+    split = trainer(policy, loss, critic_on_own_ranks=True)
+    critic = CriticTrainer(
+        critic_engine, loss, global_batch_size=8,
+        micro_batches=MicroBatcher(critic_engine, micro_batch_size=2, max_tokens_per_gpu=None),
+    )  # fmt: skip
+    policy_data, critic_data = batch(16, seed=4), batch(16, seed=4)  # each side's own copy
+    policy_data["values"] = critic.values(critic_data)
+    steps = split.train(policy_data)
+    critic_data["values"], critic_data["returns"] = policy_data["values"], policy_data["returns"]
+    for step, critic_step in zip(steps, critic.train(critic_data), strict=True):
+        step.update(critic_step)
+
+    assert len(joint) == len(steps) == 2
+    assert steps == joint  # every metric of both steps, bit for bit
+    assert torch.equal(policy.model.weight, joint_policy.model.weight)
+    assert torch.equal(critic_engine.model.weight, joint_critic.model.weight)
+    with pytest.raises(ValueError, match=r"the batch has none: the critic on ranks of its own"):
+        trainer(BigramEngine(), loss, critic_on_own_ranks=True).train(batch(8))
 
 
 def _dynamic_on_two_ranks(rank: int) -> dict:

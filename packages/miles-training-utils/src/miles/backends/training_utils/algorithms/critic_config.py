@@ -2,7 +2,7 @@
 
 --advantage-estimator ppo trains a critic beside the policy: by default a copy of the policy's
 start checkpoint with a fresh scalar value head, on the policy's ranks, trained after it in every
-rollout. No torch here: the driver reads this group with the rest of the configuration.
+rollout; with --critic-num-nodes / --critic-num-gpus-per-node, on ranks of its own. No torch here: the driver reads this group with the rest of the configuration.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class CriticConfig:
     """The first this many rollouts train the critic only: the policy waits for values that
     mean something (its weights stay as they are)."""
     critic_num_nodes: int | None = None
-    """Nodes of a critic on ranks of its own; default: the critic shares the policy's ranks and
-    trains after it. Not supported yet."""
+    """Nodes of a critic on ranks of its own (either flag puts it there; the other defaults to
+    the policy's); default: the critic shares the policy's ranks and trains after it. Its ranks
+    take the policy's data-parallel shards, so it needs as many ranks as the policy."""
     critic_num_gpus_per_node: int | None = None
     """Devices per node of a critic on ranks of its own (see --critic-num-nodes)."""
 
@@ -48,12 +49,32 @@ class CriticConfig:
         ):
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
-        if self.critic_num_nodes is not None or self.critic_num_gpus_per_node is not None:
-            raise ValueError(
-                "--critic-num-nodes / --critic-num-gpus-per-node: a critic on ranks of its own is "
-                "not supported yet; drop them (the critic shares the policy's ranks and trains "
-                "after it)"
-            )
+        for flag, value in (
+            ("--critic-num-nodes", self.critic_num_nodes),
+            ("--critic-num-gpus-per-node", self.critic_num_gpus_per_node),
+        ):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(
+                    f"{flag} must be a positive integer, got {value!r}; pass 1 or more, or leave "
+                    "both --critic-num-nodes and --critic-num-gpus-per-node unset to run the "
+                    "critic on the policy's ranks"
+                )
+
+    @property
+    def on_own_ranks(self) -> bool:
+        """The critic runs on ranks of its own (--critic-num-nodes / --critic-num-gpus-per-node),
+        not on the policy's."""
+        return self.critic_num_nodes is not None or self.critic_num_gpus_per_node is not None
+
+    def ranks(self, actor_num_nodes: int, actor_num_gpus_per_node: int) -> tuple[int, int]:
+        """(nodes, devices per node) of a critic on its own ranks; an unset flag is the
+        policy's."""
+        return (
+            actor_num_nodes if self.critic_num_nodes is None else self.critic_num_nodes,
+            actor_num_gpus_per_node
+            if self.critic_num_gpus_per_node is None
+            else self.critic_num_gpus_per_node,
+        )
 
     def given(self) -> list[str]:
         """The flags set to other than their defaults."""

@@ -13,7 +13,6 @@ import logging
 from typing import Any, get_args
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from miles.backends.training_utils.algorithms.algorithm import (
@@ -30,15 +29,12 @@ from miles.backends.training_utils.algorithms.teacher_kl import (
     reverse_kl,
     topk_forward_kl,
 )
-from miles.backends.training_utils.batching.micro_batch import num_micro_batches
 from miles.backends.training_utils.batching.rollout_data import (
     RolloutBatch,
     batch_size,
     select_rows,
 )
 from miles.backends.training_utils.batching.train_batches import (
-    DataIterator,
-    get_data_iterator,
     token_columns,
     token_rows,
 )
@@ -47,6 +43,7 @@ from miles.backends.training_utils.infra.metrics import (
     token_weighted,
 )
 from miles.backends.training_utils.step.critic import CriticTrainer
+from miles.backends.training_utils.step.micro_batches import MicroBatcher
 from miles.backends.training_utils.step.optimizer_step import (
     all_reduce_over_replicas,
     loss_normalizer,
@@ -72,16 +69,15 @@ class PolicyTrainer:
         use_rollout_logprobs: bool = False,
         distillation: DistillationConfig | None = None,
         critic: TrainEngine | None = None,
+        critic_on_own_ranks: bool = False,
     ) -> None:
         """`micro_batch_size` and `max_tokens_per_gpu`: exactly one is set (fixed micro-batches
         of that many samples, or dynamic ones of at most that many tokens per GPU).
         `distillation`: with --use-opd, the teacher KL enters the advantages or the loss.
-        `critic`: the value model's engine, for an estimator that reads values (ppo)."""
-        if (micro_batch_size is None) == (max_tokens_per_gpu is None):
-            raise ValueError(
-                "pass either micro_batch_size (fixed micro-batches) or max_tokens_per_gpu "
-                f"(--use-dynamic-batch-size), got {micro_batch_size} and {max_tokens_per_gpu}"
-            )
+        `critic`: the value model's engine, for an estimator that reads values (ppo);
+        `critic_on_own_ranks` instead: the batch comes with the values of a critic on ranks of
+        its own, which trains on the returns this step leaves in the batch."""
+        self._micro_batches = MicroBatcher(engine, micro_batch_size, max_tokens_per_gpu)
         self.check_settings(loss, use_rollout_logprobs=use_rollout_logprobs)
         if global_batch_size % engine.dp_size:
             raise ValueError(
@@ -95,16 +91,17 @@ class PolicyTrainer:
         # The teacher KL compares the teacher with the policy that sampled (the old policy).
         self.inputs = self.algorithm.inputs | ({"old_log_probs"} if self.distillation else set())
         self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.max_tokens_per_gpu = max_tokens_per_gpu
         self.use_rollout_logprobs = use_rollout_logprobs
         self.global_step = 0
         """Optimizer steps taken so far (restored on resume)."""
-        if ("values" in self.inputs) != (critic is not None):
+        if critic is not None and critic_on_own_ranks:
+            raise ValueError("a critic engine on these ranks and critic_on_own_ranks: pick one")
+        has_critic = critic is not None or critic_on_own_ranks
+        if ("values" in self.inputs) != has_critic:
             raise ValueError(
                 f"--advantage-estimator {loss.advantage_estimator} "
-                + ("reads a critic's values, but no critic engine was given"
-                   if critic is None else "reads no values, but a critic engine was given")
+                + ("reads a critic's values, but no critic was given"
+                   if not has_critic else "reads no values, but a critic was given")
             )  # fmt: skip
         self.critic = (
             CriticTrainer(critic, loss, global_batch_size=global_batch_size,
@@ -193,6 +190,12 @@ class PolicyTrainer:
         inputs = self.inputs
         if self.critic is not None:
             batch["values"] = self.critic.values(batch)
+        elif "values" in inputs and "values" not in batch:
+            raise ValueError(
+                f"--advantage-estimator {self.config.advantage_estimator} reads a critic's "
+                "values, but the batch has none: the critic on ranks of its own gives them "
+                "(TrainRayActor.critic_values) before the policy's step"
+            )
         if "rollout_log_probs" in inputs or self.use_rollout_logprobs:
             _require_rollout_log_probs(batch, self.use_rollout_logprobs)
         if "old_log_probs" in inputs and not old_from_step:
@@ -315,28 +318,6 @@ class PolicyTrainer:
         return self.distillation.opd_kl_coef * term
 
     # -- micro-batches and collectives --------------------------------------------------------
-
-    def _micro_batches(self, batch: RolloutBatch) -> DataIterator:
-        """Micro-batches of `batch`. Dynamic ones come in the same number on every
-        data-parallel rank: a sharded forward or backward is a collective."""
-        if self.max_tokens_per_gpu is None:
-            return get_data_iterator(
-                batch,
-                micro_batch_size=self.micro_batch_size,
-                max_tokens_per_gpu=None,
-                use_dynamic_batch_size=False,
-            )
-        # A context-parallel rank holds 1/cp of every sequence: cp times the tokens fit.
-        budget = self.max_tokens_per_gpu * self.engine.context_parallel_size
-        count = torch.tensor([float(num_micro_batches(batch["total_lengths"], budget))])
-        count = int(self._all_reduce(count.double(), op=dist.ReduceOp.MAX).item())
-        return get_data_iterator(
-            batch,
-            micro_batch_size=None,
-            max_tokens_per_gpu=budget,
-            use_dynamic_batch_size=True,
-            num_micro_batches=count,
-        )
 
     def log_probs(self, batch: RolloutBatch, *, reference: bool = False) -> list[Tensor]:
         """Per-sample (R,) log-probs of the policy (or reference) over the shard, no gradients."""
