@@ -42,3 +42,18 @@ def random_lora_adapter(checkpoint: Path, out: Path, *, rank: int, seed: int = 0
             torch.nn.init.normal_(param, std=0.05)
     adapted.save_pretrained(out)
     return out
+
+
+def seeded_value_model(checkpoint: Path, out: Path, *, seed: int = 0) -> Path:
+    """`checkpoint` as a one-label token-classification model (PPO's critic) with a seeded value
+    head, saved with its tokenizer: a critic start whose head no run initialises itself."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    shutil.copytree(checkpoint, out)
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_pretrained(checkpoint, num_labels=1)
+    model.save_pretrained(out)
+    return out

@@ -31,7 +31,7 @@ from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
 from miles.utils.tracking import read_metrics
-from tests.e2e.assets import random_lora_adapter, tiny_run_assets
+from tests.e2e.assets import random_lora_adapter, seeded_value_model, tiny_run_assets
 from tools.compare_runs import compare_records
 
 pytestmark = pytest.mark.timeout(900)
@@ -155,22 +155,66 @@ def test_a_lora_run_trains_and_its_engines_run_the_trainers_adapted_model(
     assert all(math.isfinite(r["train/loss"]) for r in records)
 
 
-def test_a_ppo_run_trains_its_critic_after_critic_only_rollouts_and_saves_both(assets, tmp_path):
+# One rank each, one request at a time: the two placements of the critic must draw the same
+# samples. Two optimizer steps per rollout, the first rollout trains the critic alone.
+PPO = ["--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--critic-lr", "1e-3",
+       "--num-rollout", "2", "--global-batch-size", "4", "--actor-num-gpus-per-node", "1",
+       "--rollout-num-gpus", "1", "--rollout-concurrency", "1", "--save-interval", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(assets, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """The same PPO run with the critic on the policy's ranks and on a rank of its own, both
+    starting the critic from one seeded value model: each one's records and directory (output
+    in `run/`, checkpoints in `checkpoints/`; the second's memory record in `memory/`)."""
+    root = tmp_path_factory.mktemp("ppo")
+    critic = seeded_value_model(assets[0], root / "critic_start")
+    # The critic's own rank is recorded and profiled beside the policy's.
+    observed = ["--memory-snapshot-dir", str(root / "own" / "memory"), "--profile-target",
+                "train", "--profile-step-start", "1", "--profile-step-end", "2"]  # fmt: skip
+    runs = {}
+    for placement, flags in (("shared", []), ("own", ["--critic-num-nodes", "1", *observed])):
+        records = run(
+            assets, root / placement / "run", *PPO, "--critic-hf-checkpoint", str(critic),
+            "--save", str(root / placement / "checkpoints"), *flags,
+        )  # fmt: skip
+        runs[placement] = records, root / placement
+    return runs
+
+
+def test_a_ppo_run_trains_its_critic_after_critic_only_rollouts_and_saves_both(ppo_runs):
     """--advantage-estimator ppo: the critic shares the policy's ranks; the first rollout trains
     it alone, then both train; both are saved, the critic under <save>/critic."""
-    save = tmp_path / "checkpoints"
-    records = run(
-        assets, tmp_path / "run", "--num-rollout", "2", "--advantage-estimator", "ppo",
-        "--num-critic-only-steps", "1", "--critic-lr", "1e-3", "--save", str(save),
-        "--save-interval", "1",
-    )  # fmt: skip
+    records, directory = ppo_runs["shared"]
+    save = directory / "checkpoints"
     assert [r["rollout_id"] for r in records] == [0, 1]
     assert "train/loss" not in records[0] and "train/loss" in records[1]
     for record in records:
-        assert math.isfinite(record["critic/value_loss"])
+        assert math.isfinite(record["critic/value_loss"]) and record["critic/step"] > 0
         assert "critic/explained_variance" in record and "critic/returns_mean" in record
+    assert records[1]["critic/step"] == 4.0  # two steps a rollout
     assert (save / POINTER_FILE).read_text().strip() == "1"
     assert (save / "critic" / POINTER_FILE).read_text().strip() == "1"
+
+
+def test_a_critic_on_a_rank_of_its_own_trains_exactly_as_one_on_the_policys(ppo_runs):
+    """--critic-num-nodes 1: the critic's own rank scores the rollout, the policy's rank takes
+    its values and computes the returns, the critic trains on them. Every non-timing value of
+    the run is the one of the critic on the policy's rank; its checkpoint is saved, and its
+    rank is in the memory record and the profiler's traces."""
+    shared, _ = ppo_runs["shared"]
+    own, directory = ppo_runs["own"]
+    assert "startup/critic_trainers_s" in own[0] and "startup/critic_trainers_s" not in shared[0]
+    assert compare_records(shared, own, ignore=["^memory/"]) == []
+    assert (directory / "checkpoints" / "critic" / POINTER_FILE).read_text().strip() == "1"
+    memory = (directory / "memory" / "peak_rss.jsonl").read_text().splitlines()
+    assert {"train_rank_0", "critic_rank_0"} <= {json.loads(line)["process"] for line in memory}
+    assert own[1]["memory/critic_rank_0/peak_rss_mb"] > 10
+    traces = sorted(p.name for p in (directory / "run" / "profiles" / "train").iterdir())
+    assert traces == [
+        "critic_rank_0.rollouts_1-1.pt.trace.json",
+        "rank_0.rollouts_1-1.pt.trace.json",
+    ]
 
 
 FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correction", "tis",

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from miles.utils.observability.config import ObservabilityConfig
 
 
-def check_placement(cluster: ClusterConfig, distillation: DistillationConfig) -> None:
-    """The placement flags describe a layout of train ranks, engines and teachers."""
-    plan_for_run(cluster, distillation, use_gpus=False)
+def check_placement(
+    cluster: ClusterConfig, distillation: DistillationConfig, critic: CriticConfig
+) -> None:
+    """The placement flags describe a layout of train ranks, engines, teachers and a critic."""
+    plan_for_run(cluster, distillation, use_gpus=False, critic=critic)
 
 
 def check_async_modes(
@@ -175,9 +177,15 @@ def check_lora(backend: TrainerArgs | None, checkpoint: CheckpointConfig) -> Non
         )
 
 
-def check_critic(critic: CriticConfig, algorithm: LossConfig, backend: TrainerArgs | None) -> None:
+def check_critic(
+    critic: CriticConfig,
+    algorithm: LossConfig,
+    backend: TrainerArgs | None,
+    cluster: ClusterConfig,
+) -> None:
     """A critic is trained exactly when the estimator reads values (ppo), by a backend that
-    trains one, from a checkpoint that reads the policy's token ids."""
+    trains one, from a checkpoint that reads the policy's token ids; on ranks of its own, as
+    many as the policy's (it takes their data-parallel shards)."""
     from miles.backends.training_utils.algorithms.algorithm import Algorithm
 
     estimator = algorithm.advantage_estimator
@@ -196,6 +204,18 @@ def check_critic(critic: CriticConfig, algorithm: LossConfig, backend: TrainerAr
         )
     if critic.critic_hf_checkpoint is not None:
         hf_checkpoint_dir("--critic-hf-checkpoint", critic.critic_hf_checkpoint)
+    if critic.on_own_ranks:
+        policy = (cluster.actor_num_nodes, cluster.actor_num_gpus_per_node)
+        nodes, per_node = critic.ranks(*policy)
+        if nodes * per_node != policy[0] * policy[1]:
+            raise ValueError(
+                f"--critic-num-nodes {nodes} x --critic-num-gpus-per-node {per_node} = "
+                f"{nodes * per_node} critic ranks, but the policy has {policy[0] * policy[1]} "
+                f"(--actor-num-nodes {policy[0]} x --actor-num-gpus-per-node {policy[1]}); a "
+                "critic on ranks of its own trains on the policy's data-parallel shards, so it "
+                "needs as many ranks: change one of the two, or drop --critic-num-nodes and "
+                "--critic-num-gpus-per-node to run the critic on the policy's ranks"
+            )
 
 
 def check_critic_vocabulary(critic: CriticConfig, hf_checkpoint: str) -> None:

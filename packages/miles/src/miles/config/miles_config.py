@@ -94,13 +94,13 @@ class MilesConfig:
         cluster, training, rollout, checkpoint = (
             self.cluster, self.training, self.rollout, self.checkpoint
         )  # fmt: skip
-        cross_checks.check_placement(cluster, self.distillation)
+        cross_checks.check_placement(cluster, self.distillation, self.critic)
         made = cross_checks.load_run_rollout(rollout)
         cross_checks.check_rollout(made, rollout, self.data)
         cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)
         cross_checks.check_reference_model(self.algorithm, checkpoint)
         cross_checks.check_lora(self.backend, checkpoint)
-        cross_checks.check_critic(self.critic, self.algorithm, self.backend)
+        cross_checks.check_critic(self.critic, self.algorithm, self.backend, cluster)
         cross_checks.check_distillation(self.distillation, self.algorithm, checkpoint, training)
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from miles.backends.training_utils.algorithms.critic_config import CriticConfig
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.config.groups import ClusterConfig
 
@@ -41,6 +42,10 @@ class PlacementPlan:
     teacher_bundles: list[list[int]] = field(default_factory=list)
     """Bundle indices of each teacher engine (--use-opd): always their own, after the others,
     since a teacher scores while the student's engines generate or sleep."""
+    critic_bundles: list[int] = field(default_factory=list)
+    """Bundle index of each rank of a critic on ranks of its own (--critic-num-nodes /
+    --critic-num-gpus-per-node): its own, after the engines' (never shared with them: the
+    critic is awake while they generate)."""
 
     @property
     def num_actor_ranks(self) -> int:
@@ -49,6 +54,10 @@ class PlacementPlan:
     @property
     def num_engines(self) -> int:
         return len(self.engine_bundles)
+
+    @property
+    def num_critic_ranks(self) -> int:
+        return len(self.critic_bundles)
 
     @property
     def num_teacher_engines(self) -> int:
@@ -73,14 +82,15 @@ def plan_placement(
     cpus_per_bundle: float = 1.0,
     teacher_engines: int = 0,
     teacher_gpus_per_engine: int = 1,
+    critic_ranks: int = 0,
 ) -> PlacementPlan:
     """Lay out train ranks and rollout engines over bundles, one bundle per device.
 
     Colocated: the N = actor_num_nodes * actor_num_gpus_per_node train bundles also host the
     engines (rollout_num_gpus must be N; None means N). Disaggregated: N train bundles, then
     rollout_num_gpus engine bundles. Without GPUs a "GPU" is a worker device, i.e. a CPU bundle.
-    Teacher engines (on-policy distillation) take `teacher_gpus_per_engine` bundles each, last.
-    Every invalid combination raises ValueError naming the flags and the fix.
+    The ranks of a critic of its own (`critic_ranks`) come next, then teacher engines (on-policy
+    distillation), `teacher_gpus_per_engine` bundles each. Every invalid combination raises ValueError naming the flags and the fix.
     """
     _check_positive("--actor-num-nodes", actor_num_nodes)
     _check_positive("--actor-num-gpus-per-node", actor_num_gpus_per_node)
@@ -120,6 +130,8 @@ def plan_placement(
     engine_offset = 0 if colocate else num_actor
     num_bundles = num_actor if colocate else num_actor + rollout_num_gpus
     per = rollout_num_gpus_per_engine
+    critic_bundles = list(range(num_bundles, num_bundles + critic_ranks))
+    num_bundles += critic_ranks
     _check_positive("--opd-teacher-num-gpus-per-engine", teacher_gpus_per_engine)
     teacher_bundles = [
         list(range(num_bundles + t * teacher_gpus_per_engine,
@@ -136,19 +148,30 @@ def plan_placement(
         ],
         colocate=colocate,
         teacher_bundles=teacher_bundles,
+        critic_bundles=critic_bundles,
     )
 
 
 def plan_for_run(
-    cluster: ClusterConfig, distillation: DistillationConfig, *, use_gpus: bool
+    cluster: ClusterConfig,
+    distillation: DistillationConfig,
+    *,
+    use_gpus: bool,
+    critic: CriticConfig | None = None,
 ) -> PlacementPlan:
-    """The run's plan: the cluster's bundles, plus the teacher engines' with --use-opd."""
+    """The run's plan: the cluster's bundles, plus the teacher engines' with --use-opd and the
+    ranks of a critic of its own."""
     teachers = distillation.opd_teacher_num_engines if distillation.use_opd else 0
+    critic_ranks = 0
+    if critic is not None and critic.on_own_ranks:
+        nodes, per_node = critic.ranks(cluster.actor_num_nodes, cluster.actor_num_gpus_per_node)
+        critic_ranks = nodes * per_node
     return plan_for_cluster(
         cluster,
         use_gpus=use_gpus,
         teacher_engines=teachers,
         teacher_gpus_per_engine=distillation.opd_teacher_num_gpus_per_engine,
+        critic_ranks=critic_ranks,
     )
 
 
@@ -158,8 +181,10 @@ def plan_for_cluster(
     use_gpus: bool,
     teacher_engines: int = 0,
     teacher_gpus_per_engine: int = 1,
+    critic_ranks: int = 0,
 ) -> PlacementPlan:
-    """`plan_placement` for the placement flags of a `ClusterConfig` group (and teachers)."""
+    """`plan_placement` for the placement flags of a `ClusterConfig` group (and teachers and a
+    critic of its own)."""
     return plan_placement(
         actor_num_nodes=cluster.actor_num_nodes,
         actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
@@ -170,6 +195,7 @@ def plan_for_cluster(
         cpus_per_bundle=cluster.cpus_per_bundle,
         teacher_engines=teacher_engines,
         teacher_gpus_per_engine=teacher_gpus_per_engine,
+        critic_ranks=critic_ranks,
     )
 
 

@@ -39,9 +39,13 @@ class RunObserver:
         trainers: RayTrainGroup | None,
         rollout_manager: Any,
         began_at: float,
+        critics: RayTrainGroup | None = None,
     ) -> None:
+        """`critics`: the ranks of a critic of its own, recorded and profiled beside the
+        policy's as `critic_rank_<r>`."""
         self.settings = settings
         self.trainers = trainers
+        self.critics = critics
         self.rollout_manager = rollout_manager
         self.profile_dir = Path(output_dir) / PROFILES_DIR
         self._profiled: tuple[int, int] | None = None  # the window's rollouts, while it runs
@@ -111,9 +115,7 @@ class RunObserver:
         if "train" in self.settings.profiles and self.trainers is not None:
             written += self._on_ranks(
                 torch_trace.stop_trace,
-                path=lambda rank: str(
-                    self.profile_dir / "train" / f"rank_{rank}.{label}.pt.trace.json"
-                ),
+                path=lambda stem: str(self.profile_dir / "train" / f"{stem}.{label}.pt.trace.json"),
             )
         if any(t != "train" for t in self.settings.profiles):
             call = self.rollout_manager.stop_profiling.remote()
@@ -137,8 +139,8 @@ class RunObserver:
         if not engines_only:
             found["driver"] = (os.getpid(), ray.get_runtime_context().get_node_id())
             if self.trainers is not None:
-                for rank, place in enumerate(self._on_ranks(_pid_and_node)):
-                    found[f"train_rank_{rank}"] = place
+                labels = [label for label, _, _ in self._ranks()]
+                found.update(zip(labels, self._on_ranks(_pid_and_node), strict=True))
         if self.rollout_manager is not None:
             processes = ray.get(self.rollout_manager.process_ids.remote(), timeout=_CALL_TIMEOUT_S)
             found.update(
@@ -152,7 +154,7 @@ class RunObserver:
         directory = Path(self.settings.memory_snapshot_dir or ".")
         started = self._on_ranks(
             cuda_memory.start_history,
-            oom_path=lambda rank: str(directory / f"cuda_rank_{rank}.oom.pickle"),
+            oom_path=lambda stem: str(directory / f"cuda_{stem}.oom.pickle"),
         )
         self._cuda_history = all(started)
 
@@ -162,7 +164,7 @@ class RunObserver:
         directory = Path(self.settings.memory_snapshot_dir or ".")
         paths = self._on_ranks(
             cuda_memory.dump_snapshot,
-            path=lambda rank: str(directory / f"cuda_rank_{rank}.{label}.pickle"),
+            path=lambda stem: str(directory / f"cuda_{stem}.{label}.pickle"),
         )
         self._cuda_history = False
         logger.info("CUDA memory snapshots %s (open them in https://pytorch.org/memory_viz)",
@@ -170,15 +172,24 @@ class RunObserver:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _on_ranks(self, fn: Any, **per_rank: Any) -> list[Any]:
-        """`fn(actor, **kwargs)` in every train rank's process, the kwargs' callables given the
-        rank; the results in rank order."""
+    def _ranks(self) -> list[tuple[str, str, Any]]:
+        """(process label, file stem, Ray actor) of every train rank: the policy's
+        (`train_rank_<r>`, `rank_<r>`), then a critic's of its own (`critic_rank_<r>`)."""
         assert self.trainers is not None
+        ranks = [(f"train_rank_{r}", f"rank_{r}", a) for r, a in enumerate(self.trainers.actors)]
+        if self.critics is not None:
+            critics = enumerate(self.critics.actors)
+            ranks += [(f"critic_rank_{r}", f"critic_rank_{r}", a) for r, a in critics]
+        return ranks
+
+    def _on_ranks(self, fn: Any, **per_rank: Any) -> list[Any]:
+        """`fn(actor, **kwargs)` in every train rank's process (`_ranks`), the kwargs' callables
+        given the rank's file stem; the results in that order."""
         calls = [
             actor.__ray_call__.remote(
-                fn, **{k: (v(rank) if callable(v) else v) for k, v in per_rank.items()}
+                fn, **{k: (v(stem) if callable(v) else v) for k, v in per_rank.items()}
             )
-            for rank, actor in enumerate(self.trainers.actors)
+            for _, stem, actor in self._ranks()
         ]
         return ray.get(calls, timeout=_CALL_TIMEOUT_S)
 

@@ -70,6 +70,10 @@ class Placement:
             return None
         return [self.bundle_devices[b] for b in self.plan.engine_bundles[engine]]
 
+    def critic_scheduling(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy for rank `rank` of a critic on ranks of its own."""
+        return self._strategy(self.plan.critic_bundles[rank])
+
     def teacher_scheduling(self, teacher: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy for teacher engine `teacher` (--use-opd): its first bundle."""
         return self._strategy(self.plan.teacher_bundles[teacher][0])
@@ -95,7 +99,9 @@ class Placement:
 
 def plan_for_config(config: MilesConfig, *, use_gpus: bool) -> PlacementPlan:
     """The run's plan (`plan_for_run`) from its whole configuration."""
-    return plan_for_run(config.cluster, config.distillation, use_gpus=use_gpus)
+    return plan_for_run(
+        config.cluster, config.distillation, use_gpus=use_gpus, critic=config.critic
+    )
 
 
 def create_placement(

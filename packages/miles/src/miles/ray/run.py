@@ -18,6 +18,7 @@ import ray
 from miles.backends.training_utils.algorithms.registry import loss_spec
 from miles.config.miles_config import MilesConfig
 from miles.ray.cluster import init_ray
+from miles.ray.critic_ranks import train_policy_and_critic
 from miles.ray.placement import Placement, create_placement, plan_for_config, remove_placement
 from miles.ray.rollout_manager import RolloutManager
 from miles.ray.rollout_source import (
@@ -62,6 +63,7 @@ class Run:
         self._startup_clock: StartupClock | None = None
         self.engine_urls: list[str] = []
         self.trainers: RayTrainGroup | None = None
+        self.critics: RayTrainGroup | None = None  # a critic on ranks of its own
         self.tracker: Tracker | None = None
         # --use-mlflow, --use-prometheus, --profile-target, --memory-snapshot-dir: None when
         # all are off, and then nothing of them is imported.
@@ -150,6 +152,17 @@ class Run:
                 cpus_per_bundle=cluster.cpus_per_bundle,
                 call_timeout_s=training.train_call_timeout_s,
             )
+            if config.critic.on_own_ranks:
+                self.critics = RayTrainGroup(
+                    plugin_path(TRAIN_BACKENDS, cluster.train_backend),
+                    self.placement,
+                    world_size=self.placement.plan.num_critic_ranks,
+                    colocate=False,
+                    has_gpus=has_gpus,
+                    cpus_per_bundle=cluster.cpus_per_bundle,
+                    call_timeout_s=training.train_call_timeout_s,
+                    critic=True,
+                )
         self.num_rollout = config.resolve_num_rollout(self._from_manager(dataset_size, "load_data"))
         if share_devices:
             self.engine_urls = self._from_manager(
@@ -171,6 +184,10 @@ class Run:
                     f"the {cluster.train_backend} backend formed {self.trainers.dp_size} "
                     f"data-parallel replicas, but the rollout was split for {dp_size}"
                 )
+            if self.critics is not None:
+                critics_began = time.perf_counter()
+                self._init_critics(spec)
+                clock.record({"critic_trainers": time.perf_counter() - critics_began})
         if engines is not None:
             if not self.engine_urls:  # colocated runs waited for them before the trainers built
                 self.engine_urls = self._from_manager(
@@ -210,6 +227,7 @@ class Run:
             self.observer = RunObserver(
                 config.observability, config.logging.output_dir, trainers=self.trainers,
                 rollout_manager=self.rollout_manager, began_at=clock.began_at,
+                critics=self.critics,
             )  # fmt: skip
         self.console = ConsoleView(self.num_rollout, config.logging.console)
         self._startup_clock = clock
@@ -218,6 +236,26 @@ class Run:
             self.start_rollout_id, self.num_rollout - 1, self.num_rollout, dp_size,
             len(self.engine_urls),
         )  # fmt: skip
+
+    def _init_critics(self, spec: TrainRunSpec) -> None:
+        """A critic on ranks of its own takes the policy's shards, and resumes where it does."""
+        config, critics = self.config, self.critics
+        assert critics is not None and self.trainers is not None and config.backend is not None
+        start = critics.init(spec, config.algorithm, config.backend, role="critic")
+        if critics.dp_size != self.trainers.dp_size:
+            raise RuntimeError(
+                f"the critic's ranks formed {critics.dp_size} data-parallel replicas and the "
+                f"policy's {self.trainers.dp_size}; the critic takes the policy's shards (a bug: "
+                "the configuration gives both as many ranks)"
+            )
+        if start != self.start_rollout_id:
+            found = "no checkpoint" if start == 0 else f"rollout {start - 1}"
+            raise ValueError(
+                f"the policy resumes at rollout {self.start_rollout_id} from "
+                f"{config.checkpoint.load}, but the critic's --critic-load "
+                f"{config.critic.critic_load} holds {found}; point --critic-load at the critic "
+                "saved with that policy checkpoint"
+            )
 
     def _resume_rollout_state(self) -> None:
         """The rollout manager's data-source state from --load, checked against the trainer's."""
@@ -311,6 +349,9 @@ class Run:
         if self.trainers is not None:
             self.trainers.shutdown()
             self.trainers = None
+        if self.critics is not None:
+            self.critics.shutdown()
+            self.critics = None
         if self.rollout_manager is not None:
             try:
                 ray.get(self.rollout_manager.dispose.remote(), timeout=120)
@@ -394,7 +435,12 @@ class Run:
             return {}
         self._phase("train", rollout.rollout_id)
         start = time.perf_counter()
-        steps = self.trainers.train(rollout.rollout_id, rollout.data)
+        if self.critics is not None:
+            steps = train_policy_and_critic(
+                self.trainers, self.critics, rollout.rollout_id, rollout.data
+            )
+        else:
+            steps = self.trainers.train(rollout.rollout_id, rollout.data)
         skipped = self.guard.record_steps(rollout.rollout_id, steps)
         metrics = {
             (k if "/" in k else f"train/{k}"): v
@@ -417,6 +463,8 @@ class Run:
         # completes them after the rollout's record is logged.
         self._from_manager(self.rollout_manager.save.remote(rollout_id), "save")
         self.trainers.save_model(rollout_id, False)
+        if self.critics is not None:
+            self.critics.save_model(rollout_id, False)
         self._uncommitted_save = rollout_id
         return {"time/save_s": time.perf_counter() - start}
 
@@ -556,6 +604,8 @@ class Run:
         if self._uncommitted_save is not None:
             assert self._uncommitted_save == rollout_id and self.trainers is not None
             self.trainers.commit_checkpoint(rollout_id)
+            if self.critics is not None:
+                self.critics.commit_checkpoint(rollout_id)
             self._uncommitted_save = None
         if self.console is not None:
             self.console.record(rollout_id, metrics)

@@ -90,16 +90,20 @@ class RayTrainGroup:
         has_gpus: bool,
         cpus_per_bundle: float = 1.0,
         call_timeout_s: float = 3600.0,
+        critic: bool = False,
     ):
         """`call_timeout_s` bounds the wait for every rank's answer to one call
-        (--train-call-timeout-s)."""
+        (--train-call-timeout-s). `critic`: the ranks of a critic of its own, on the
+        placement's critic bundles (init them with role "critic")."""
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be positive, got {call_timeout_s}")
         self.call_timeout_s = call_timeout_s
+        self.kind = "critic" if critic else "train"  # how messages name a rank
         self._hung: set[int] = set()  # ranks that did not answer within the bound: killed at once
         share = COLOCATED_TRAIN_SHARE if colocate else 1.0
+        schedule = placement.critic_scheduling if critic else placement.actor_scheduling
         master_addr, master_port = ray.get(
-            _master_address.options(scheduling_strategy=placement.actor_scheduling(0)).remote(),
+            _master_address.options(scheduling_strategy=schedule(0)).remote(),
             timeout=call_timeout_s,
         )
         remote_class = ray.remote(TrainRank)
@@ -107,7 +111,7 @@ class RayTrainGroup:
             remote_class.options(
                 num_cpus=share * cpus_per_bundle,
                 num_gpus=share if has_gpus else 0,
-                scheduling_strategy=placement.actor_scheduling(rank),
+                scheduling_strategy=schedule(rank),
             ).remote(actor_class, rank, world_size, master_addr, master_port)
             for rank in range(world_size)
         ]
@@ -117,7 +121,8 @@ class RayTrainGroup:
         self.dp_ranks = list(range(world_size))
         name = actor_class if isinstance(actor_class, str) else actor_class.__name__
         logger.info(
-            "train group of %d %s rank(s); rank 0 at %s:%d",
+            "%s group of %d %s rank(s); rank 0 at %s:%d",
+            self.kind,
             world_size,
             name,
             master_addr,
@@ -152,7 +157,7 @@ class RayTrainGroup:
             silent = ", ".join(f"rank {r} ({self.places[r]})" for r in sorted(pending.values()))
             raise TrainRankError(
                 f"no answer to {what} within {self.call_timeout_s:g} s (--train-call-timeout-s) "
-                f"from train {silent}; a rank is hung outside any collective, or the call needs "
+                f"from {self.kind} {silent}; a rank is hung outside any collective, or the call needs "
                 "more time: raise --train-call-timeout-s"
             )
         if not failures:
@@ -171,7 +176,8 @@ class RayTrainGroup:
         else:
             how, cause = "failed", describe(err)  # the rank's own exception, unwrapped
         text = (
-            f"train rank {rank} of {self.world_size} ({self.places[rank]}) {how} in {what}: {cause}"
+            f"{self.kind} rank {rank} of {self.world_size} ({self.places[rank]}) {how} in {what}: "
+            f"{cause}"
         )
         if silent:
             text += "; no answer from " + ", ".join(f"rank {r} ({self.places[r]})" for r in silent)
@@ -217,7 +223,7 @@ class RayTrainGroup:
         """Model replicas: the number of rollout shards one train call takes."""
         return len(set(self.dp_ranks))
 
-    def _shards(self, data: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+    def _shards(self, data: list[Any]) -> list[Any]:
         """Rank r's shard of `data` (one per data-parallel replica): its replica's."""
         if len(data) != self.dp_size:
             raise ValueError(
@@ -225,6 +231,26 @@ class RayTrainGroup:
                 f"({self.world_size} train ranks)"
             )
         return [data[r] for r in self.dp_ranks]
+
+    def per_replica(self, results: list[Any]) -> list[Any]:
+        """One result per data-parallel replica, in replica order, from per-rank `results`:
+        the ranks of one replica hold the same shard, so the first rank's answers for it."""
+        first: dict[int, Any] = {}
+        for dp_rank, result in zip(self.dp_ranks, results, strict=True):
+            first.setdefault(dp_rank, result)
+        return [first[r] for r in range(self.dp_size)]
+
+    def on_shards(self, method: str, rollout_id: int | None, *columns: list[Any]) -> list[Any]:
+        """`method([rollout_id,] shard, *rest)` on every rank, with its replica's entry of each
+        per-replica list in `columns` (the data shards first); every rank's result."""
+        lead = () if rollout_id is None else (rollout_id,)
+        per_rank = zip(*(self._shards(column) for column in columns), strict=True)
+        calls = [
+            actor.call.remote(method, *lead, *args)
+            for actor, args in zip(self.actors, per_rank, strict=True)
+        ]
+        what = method if rollout_id is None else f"{method} (rollout {rollout_id})"
+        return self._gather(calls, what)
 
     def async_train(self, rollout_id: int, data: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """Start training every rank on its replica's shard of `data`; returns the calls'

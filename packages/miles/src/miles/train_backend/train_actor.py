@@ -32,6 +32,8 @@ from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 from miles.backends.training_utils.infra.device import dist_backend, set_device
+from miles.backends.training_utils.step.critic import CriticTrainer
+from miles.backends.training_utils.step.micro_batches import MicroBatcher
 from miles.backends.training_utils.step.train_engine import TrainEngine, TrainsAdapters
 from miles.backends.training_utils.step.trainer import PolicyTrainer
 from miles.config.lora_args import LORA_ADAPTER_NAME, LoraArgs
@@ -78,6 +80,8 @@ class TrainRayActor(abc.ABC):
         self.engine: TrainEngine | None = None
         self.critic_engine: TrainEngine | None = None  # --advantage-estimator ppo
         self.trainer: PolicyTrainer | None = None
+        # Role "critic" (a critic on ranks of its own): its step; no policy on these ranks.
+        self.critic_trainer: CriticTrainer | None = None
         self.weight_version = 0
         self.engine_urls: tuple[str, ...] = ()
         self._engine_admin_key: str | None = None
@@ -162,15 +166,16 @@ class TrainRayActor(abc.ABC):
         with_ref: bool = False,
     ) -> int:
         """Build the engine and the train step, resume from `spec.load` if it holds a checkpoint.
+        Role "actor": the policy (and the critic, unless it has ranks of its own); role
+        "critic": only the critic of --critic-num-nodes / --critic-num-gpus-per-node.
 
         Returns the rollout id to start from: 0 for a fresh run, the saved id + 1 on resume.
         """
         algorithm = Algorithm.from_config(loss)
-        if role != "actor":
-            raise ValueError(
-                f"a train actor is the policy's ranks (role 'actor'), got role {role!r}; the "
-                "critic of --advantage-estimator ppo runs on the policy's ranks"
-            )
+        if role not in ROLES:
+            raise ValueError(f"a train actor's role is one of {ROLES}, got {role!r}")
+        if role == "critic":
+            return self._init_critic(spec, loss, backend)
         if algorithm.estimator.needs_critic and spec.critic is None:
             raise ValueError(
                 f"--advantage-estimator {loss.advantage_estimator} reads a critic's values, but "
@@ -186,7 +191,8 @@ class TrainRayActor(abc.ABC):
         self.engine = self.build_engine(
             spec, backend, device=device, with_ref=with_ref or algorithm.needs_reference
         )
-        if spec.critic is not None:
+        critic_on_own_ranks = spec.critic is not None and spec.critic.on_own_ranks
+        if spec.critic is not None and not critic_on_own_ranks:
             self.critic_engine = self.build_critic_engine(
                 critic_run_spec(spec, spec.critic), critic_settings(backend, spec.critic),
                 device=device,
@@ -201,8 +207,46 @@ class TrainRayActor(abc.ABC):
             use_rollout_logprobs=backend.use_rollout_logprobs,
             distillation=spec.distillation,
             critic=self.critic_engine,
+            critic_on_own_ranks=critic_on_own_ranks,
         )
         return self._resume()
+
+    def _init_critic(self, spec: TrainRunSpec, loss: LossConfig, backend: TrainerArgs) -> int:
+        """Role "critic": the value model alone on these ranks, resumed from --critic-load."""
+        critic = spec.critic
+        if critic is None or not critic.on_own_ranks:
+            raise ValueError(
+                "role 'critic' is a critic on ranks of its own (--critic-num-nodes / "
+                "--critic-num-gpus-per-node with --advantage-estimator ppo); the run spec has "
+                + ("no critic" if critic is None else "a critic on the policy's ranks")
+            )
+        self.check_supported(backend)
+        device = set_device(self.local_rank)
+        self.setup_distributed(spec.distributed_timeout_s)
+        torch.manual_seed(backend.seed)
+        self.spec, self.backend = spec, backend
+        settings = critic_settings(backend, critic)
+        self.critic_engine = self.build_critic_engine(
+            critic_run_spec(spec, critic), settings, device=device
+        )
+        dynamic = settings.use_dynamic_batch_size
+        self.critic_trainer = CriticTrainer(
+            self.critic_engine,
+            loss,
+            global_batch_size=spec.global_batch_size,
+            micro_batches=MicroBatcher(
+                self.critic_engine,
+                micro_batch_size=None if dynamic else settings.micro_batch_size,
+                max_tokens_per_gpu=settings.max_tokens_per_gpu if dynamic else None,
+            ),
+        )
+        loaded = self.critic_engine.load(critic.critic_load) if critic.critic_load else None
+        if loaded is None:
+            return 0
+        self.critic_trainer.global_step = int(loaded.extra.get("global_step", 0))
+        logger.info("critic rank %d resumed rollout %d from %s",
+                    self.rank, loaded.rollout_id, critic.critic_load)  # fmt: skip
+        return loaded.rollout_id + 1
 
     def _resume(self) -> int:
         assert self.engine is not None and self.trainer is not None
@@ -238,17 +282,32 @@ class TrainRayActor(abc.ABC):
 
         Ranks that split one model replica (tensor / pipeline / context-parallel peers) see the
         same samples, so they share a shard."""
-        return self._engine.dp_rank if self.engine is not None else self.rank
+        if self.engine is not None:
+            return self.engine.dp_rank
+        return self.critic_engine.dp_rank if self.critic_engine is not None else self.rank
 
     def train(self, rollout_id: int, data_ref: Any) -> list[dict[str, float]]:
         """Take this rollout's optimizer steps on this rank's shard; each step's metrics."""
+        return self._train(rollout_id, _resolve(data_ref))
+
+    def train_with_values(
+        self, rollout_id: int, data_ref: Any, values: list[torch.Tensor]
+    ) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
+        """`train` with the values of a critic on ranks of its own (its `critic_values` for
+        this shard); also returns GAE's returns of the shard, which that critic trains on."""
+        batch = _resolve(data_ref)
+        batch["values"] = values
+        metrics = self._train(rollout_id, batch)
+        return metrics, batch["returns"]
+
+    def _train(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
         self._require_awake("train")
         logger.info("rank %d: training rollout %d", self.rank, rollout_id)
         trainer = self._trainer
         critic = self.spec.critic
         # --num-critic-only-steps: the first rollouts fit the critic to the policy as it is.
         train_policy = critic is None or rollout_id >= critic.num_critic_only_steps
-        metrics = trainer.train(_resolve(data_ref), train_policy=train_policy)
+        metrics = trainer.train(batch, train_policy=train_policy)
         interval = self.spec.ref_update_interval
         if interval is not None and (rollout_id + 1) % interval == 0:
             # --ref-update-interval: the KL now anchors to the policy of this rollout's end.
@@ -256,6 +315,26 @@ class TrainRayActor(abc.ABC):
             logger.info("rank %d: reference model set to the policy after rollout %d",
                         self.rank, rollout_id)  # fmt: skip
         return metrics
+
+    # -- a critic on ranks of its own (role "critic") -----------------------------------------
+
+    def critic_values(self, data_ref: Any) -> list[torch.Tensor]:
+        """The critic's (R,) values of each response in this rank's shard, before any step."""
+        return self._critic_trainer.values(_resolve(data_ref))
+
+    def train_critic(
+        self,
+        rollout_id: int,
+        data_ref: Any,
+        values: list[torch.Tensor],
+        returns: list[torch.Tensor],
+    ) -> list[dict[str, float]]:
+        """The critic's optimizer steps on this shard, with the `values` it gave and the
+        policy's GAE `returns` (`train_with_values`); each step's `critic/...` metrics."""
+        logger.info("critic rank %d: training rollout %d", self.rank, rollout_id)
+        batch = _resolve(data_ref)
+        batch["values"], batch["returns"] = values, returns
+        return self._critic_trainer.train(batch)
 
     def logprob_gap(self, data_ref: Any) -> float:
         """The step-0 check (architecture.md: "The loop"): mean |trainer - engine| log-prob over
@@ -266,6 +345,9 @@ class TrainRayActor(abc.ABC):
     def save_model(self, rollout_id: int, commit: bool = True) -> None:
         """A resumable checkpoint of model, optimizer and schedule for `rollout_id`; without
         `commit` it is not named the latest until `commit_checkpoint`."""
+        if self.critic_trainer is not None:  # role "critic"
+            self._save_critic(rollout_id, self.critic_trainer.global_step, commit=commit)
+            return
         if not self.spec.save:
             raise ValueError("save_model() needs a checkpoint directory: set --save")
         self._require_awake("save_model")
@@ -275,21 +357,29 @@ class TrainRayActor(abc.ABC):
             "hf_checkpoint": str(self.spec.hf_checkpoint),
         }
         self._engine.save(self.spec.save, rollout_id, extra, commit=commit)
+        if self._trainer.critic is not None:
+            self._save_critic(rollout_id, self._trainer.critic.global_step, commit=commit)
+
+    def _save_critic(self, rollout_id: int, global_step: int, *, commit: bool) -> None:
         critic = self.spec.critic
-        if critic is not None and self.critic_engine is not None and critic.critic_save:
-            critic_extra = {
-                "global_step": self._trainer.critic.global_step if self._trainer.critic else 0,
-                "hf_checkpoint": str(critic.critic_hf_checkpoint or self.spec.hf_checkpoint),
-            }
-            self.critic_engine.save(critic.critic_save, rollout_id, critic_extra, commit=commit)
+        if critic is None or self.critic_engine is None or not critic.critic_save:
+            return
+        extra = {
+            "global_step": global_step,
+            "hf_checkpoint": str(critic.critic_hf_checkpoint or self.spec.hf_checkpoint),
+        }
+        self.critic_engine.save(critic.critic_save, rollout_id, extra, commit=commit)
 
     def commit_checkpoint(self, rollout_id: int) -> None:
-        """Name `rollout_id`'s checkpoint (saved with commit=False) the latest; rank 0 writes."""
-        if self.rank == 0:
+        """Name `rollout_id`'s checkpoint (saved with commit=False) the latest; rank 0 writes.
+        The critic's is committed by the ranks that hold it."""
+        if self.rank != 0:
+            return
+        if self.engine is not None and self.spec.save:
             commit_checkpoint(self.spec.save, rollout_id)
-            critic = self.spec.critic
-            if critic is not None and critic.critic_save:
-                commit_checkpoint(critic.critic_save, rollout_id)
+        critic = self.spec.critic
+        if critic is not None and critic.critic_save and self.critic_engine is not None:
+            commit_checkpoint(critic.critic_save, rollout_id)
 
     def export_hf(self, path: str | Path) -> None:
         """The current weights as a Hugging Face checkpoint directory."""
@@ -389,7 +479,8 @@ class TrainRayActor(abc.ABC):
     def sleep(self) -> None:
         """Free device memory for colocated engines; a no-op while asleep."""
         if not self._asleep:
-            self._engine.sleep()
+            if self.engine is not None:
+                self.engine.sleep()
             if self.critic_engine is not None:
                 self.critic_engine.sleep()
             self._asleep = True
@@ -398,7 +489,8 @@ class TrainRayActor(abc.ABC):
         """Bring back what `sleep` moved; a no-op while awake (the loop wakes the trainer before
         every train step, also the first)."""
         if self._asleep:
-            self._engine.wake_up()
+            if self.engine is not None:
+                self.engine.wake_up()
             if self.critic_engine is not None:
                 self.critic_engine.wake_up()
             self._asleep = False
@@ -419,6 +511,15 @@ class TrainRayActor(abc.ABC):
         if self.engine is None:
             raise RuntimeError("the train actor is not initialized: call init() first")
         return self.engine
+
+    @property
+    def _critic_trainer(self) -> CriticTrainer:
+        if self.critic_trainer is None:
+            raise RuntimeError(
+                "critic_values / train_critic run on the ranks of a critic of its own: init() "
+                "them with role 'critic'"
+            )
+        return self.critic_trainer
 
     @property
     def _trainer(self) -> PolicyTrainer:
