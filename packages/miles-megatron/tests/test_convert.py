@@ -193,6 +193,24 @@ def test_tied_models_drop_the_output_layer_and_accept_an_identical_lm_head():
         hf_to_megatron(with_head, model.config)
 
 
+def test_a_value_models_score_head_takes_the_output_layers_place_and_comes_back_exactly():
+    """PPO's value model: a one-label token-classification state dict (the transformer, `score`
+    with its bias), tied config or not; no lm_head either way."""
+    for arch in ("qwen3", "llama"):
+        model = tiny_hf_model(arch)
+        state = {k: v for k, v in hf_state(model).items() if k != "lm_head.weight"}
+        state["score.weight"] = torch.randn(1, 32)
+        state["score.bias"] = torch.randn(1)
+        mg = hf_to_megatron(state, model.config, value_head=True)
+        names = expected_megatron_names(model.config) - {"output_layer.weight"}
+        assert set(mg) == names | {"output_layer.score.weight", "output_layer.score.bias"}
+        back = megatron_to_hf(mg, model.config)
+        assert back.keys() == state.keys()
+        assert all(torch.equal(back[k], state[k]) for k in state), arch
+    with pytest.raises(ValueError, match=r"score\.weight has shape \(2, 32\).*num_labels=1"):
+        hf_to_megatron({**state, "score.weight": torch.zeros(2, 32)}, model.config, value_head=True)
+
+
 def test_unknown_missing_or_mis_sized_tensors_and_models_are_errors():
     model = tiny_hf_model("llama")
     state = hf_state(model)

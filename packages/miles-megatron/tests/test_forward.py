@@ -7,6 +7,8 @@ model's, training steps) runs inside the whole actor in test_actor.py, at every 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from miles.backends.megatron_utils.arguments import MegatronArgs
@@ -64,6 +66,20 @@ def test_miles_train_takes_the_megatron_flags():
     ])  # fmt: skip
     assert isinstance(config.backend, MegatronArgs)
     assert config.backend.tensor_model_parallel_size == 2
+
+
+def test_miles_train_takes_ppo_and_hands_the_backend_a_critic_saved_beside_the_policy():
+    from miles.config import load_config
+    from miles.train_backend import TrainRunSpec
+
+    config = load_config([
+        "--hf-checkpoint", "c", "--prompt-data", "d.jsonl", "--rollout-batch-size", "4",
+        "--train-backend", "megatron", "--advantage-estimator", "ppo", "--critic-lr", "1e-5",
+        "--save", "s",
+    ])  # fmt: skip
+    critic = TrainRunSpec.from_config(config, num_rollout=1).critic
+    assert critic is not None and critic.critic_lr == 1e-5
+    assert critic.critic_save == str(Path(config.checkpoint.save) / "critic")
 
 
 def test_the_rollout_is_split_per_model_replica_not_per_rank():

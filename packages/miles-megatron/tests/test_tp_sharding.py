@@ -42,6 +42,8 @@ LAYER = "decoder.layers.3."
         (LAYER + "self_attention.q_layernorm.weight", None),
         (LAYER + "self_attention.k_layernorm.weight", None),
         ("decoder.final_layernorm.weight", None),
+        ("output_layer.score.weight", None),  # the value model's one-output head
+        ("output_layer.score.bias", None),
         (LAYER + "self_attention.linear_qkv.layer_norm_weight", None),  # TE-fused norm
         ("module.module." + LAYER + "mlp.linear_fc2.weight", 1),  # DDP / Float16Module prefixes
     ],

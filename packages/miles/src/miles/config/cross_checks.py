@@ -200,7 +200,7 @@ def check_critic(
     if backend is not None and not backend.trains_critic:
         raise ValueError(
             f"--advantage-estimator {estimator} trains a critic, which the "
-            f"{type(backend).__name__} backend does not; use --train-backend fsdp"
+            f"{type(backend).__name__} backend does not; use --train-backend fsdp or megatron"
         )
     if critic.critic_hf_checkpoint is not None:
         hf_checkpoint_dir("--critic-hf-checkpoint", critic.critic_hf_checkpoint)

@@ -1,6 +1,7 @@
 """`MegatronTrainRayActor`: the Megatron-core backend's train actor (architecture.md: "Contracts /
 Training backend"). The RL step and the actor's life cycle are core's; this class only builds the
-engine. GPU-only: `init` refuses a machine without NVIDIA or AMD GPUs.
+engines: the policy's and, for --advantage-estimator ppo, the critic's, a value model on the same
+ranks and groups. GPU-only: `init` refuses a machine without NVIDIA or AMD GPUs.
 """
 
 from __future__ import annotations
@@ -24,10 +25,21 @@ class MegatronTrainRayActor(TrainRayActor):
     def build_engine(
         self, spec: TrainRunSpec, backend: MegatronArgs, *, device: torch.device, with_ref: bool
     ) -> MegatronEngine:
-        if not isinstance(backend, MegatronArgs):
-            raise TypeError(
-                f"the megatron backend takes MegatronArgs, got {type(backend).__name__}"
-            )
+        _check_args(backend)
         return MegatronEngine(
             backend, spec, device=device, world_size=self.world_size, with_ref=with_ref
         )
+
+    def build_critic_engine(
+        self, spec: TrainRunSpec, backend: MegatronArgs, *, device: torch.device
+    ) -> MegatronEngine:
+        _check_args(backend)
+        return MegatronEngine(
+            backend, spec, device=device, world_size=self.world_size, with_ref=False,
+            value_model=True,
+        )  # fmt: skip
+
+
+def _check_args(backend: object) -> None:
+    if not isinstance(backend, MegatronArgs):
+        raise TypeError(f"the megatron backend takes MegatronArgs, got {type(backend).__name__}")

@@ -46,6 +46,9 @@ class MegatronArgs(TrainerArgs):
     """Recompute each layer's core attention in the backward pass (Megatron's selective
     recompute): less activation memory for a little more compute."""
 
+    trains_critic: typing.ClassVar[bool] = True
+    """--advantage-estimator ppo: the critic is a value model on the policy's ranks and groups."""
+
     MINIMUMS: typing.ClassVar[dict[str, float]] = {
         **TrainerArgs.MINIMUMS,
         "tensor_model_parallel_size": 1,

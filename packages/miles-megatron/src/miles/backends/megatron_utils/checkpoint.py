@@ -83,6 +83,10 @@ def save(
             shutil.rmtree(path)
         (path / "dist").mkdir(parents=True)
     _barrier()
+    # An optimizer that never stepped (the policy during --num-critic-only-steps) has no state,
+    # and Megatron's distributed optimizer cannot describe that; zero moments at step 0 are
+    # what Adam's first step would create.
+    _initialize_optimizer_state(optimizer)
     model_state = model.module.sharded_state_dict()
     state = {
         "model": model_state,
@@ -171,7 +175,8 @@ def _set_adam_steps(optimizer: Any, steps: list[float | None]) -> None:
 
 
 def _initialize_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh optimizer the state entries a checkpoint will overwrite.
+    """Give a fresh optimizer the state entries a checkpoint will overwrite (or, saving, the
+    ones Adam's first step would create); entries already there are kept.
 
     Without Apex or Transformer Engine, Megatron's distributed optimizer wraps torch's AdamW and,
     while building the state dict to load into, reads a `step` from every parameter's state; an

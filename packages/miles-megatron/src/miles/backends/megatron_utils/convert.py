@@ -32,6 +32,11 @@ _QK_NORM_RENAMES = {
 _QK_NORM_MODELS = ("qwen3",)
 _QKV_BIAS_MODELS = ("qwen2",)
 _GLOBAL_RENAMES = {"decoder.final_layernorm.weight": "model.norm.weight"}
+# PPO's value model: transformers' one-label token-classification head, in the output layer's slot.
+_VALUE_HEAD_RENAMES = {
+    "output_layer.score.weight": "score.weight",
+    "output_layer.score.bias": "score.bias",
+}
 
 
 def attention_dims(hf_config: Any) -> tuple[int, int, int]:
@@ -48,6 +53,7 @@ def hf_to_megatron(
     *,
     vocab_divisible_by: int = 128,
     tp_size: int = 1,
+    value_head: bool = False,
 ) -> dict[str, Tensor]:
     """The full Megatron GPTModel state dict of an HF Qwen2/Qwen3/Llama state dict.
 
@@ -56,6 +62,8 @@ def hf_to_megatron(
     - gate/up -> `linear_fc1` = cat([gate, up]).
     - embedding and (untied) lm_head rows padded with zeros to
       `padded_vocab_size(vocab_size, vocab_divisible_by, tp_size)`.
+    - `value_head` (PPO's value model, a one-label token-classification state dict): `score`
+      -> `output_layer.score` instead of an lm_head, whatever the config says of tying.
     Every HF tensor is used exactly once; an unknown name raises. `lm_head.weight` of a tied
     model (some state dicts list it) is accepted only if it equals the embedding, and dropped.
     Megatron's `_extra_state` entries (None under the local spec) are not produced.
@@ -68,7 +76,9 @@ def hf_to_megatron(
             pending, "model.embed_tokens.weight", hf_config, vocab
         )
     }
-    if hf_config.tie_word_embeddings:
+    if value_head:
+        out.update(_value_head_to_megatron(pending, hf_config))
+    elif hf_config.tie_word_embeddings:
         head = pending.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, hf_state["model.embed_tokens.weight"]):
             raise ValueError(
@@ -85,6 +95,20 @@ def hf_to_megatron(
             f"HF tensors with no Megatron counterpart for {hf_config.model_type}: "
             f"{sorted(pending)}; the converter supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    return out
+
+
+def _value_head_to_megatron(pending: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+    weight = _take(pending, "score.weight")
+    if weight.shape != (1, hf_config.hidden_size):
+        raise ValueError(
+            f"score.weight has shape {tuple(weight.shape)}, but a value head is one label over "
+            f"{hf_config.hidden_size} hidden units: (1, {hf_config.hidden_size}); save the critic "
+            "with num_labels=1"
+        )
+    out = {"output_layer.score.weight": weight}
+    if "score.bias" in pending:
+        out["output_layer.score.bias"] = pending.pop("score.bias")
     return out
 
 
@@ -116,8 +140,9 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config: Any) -> Tensor:
 def megatron_to_hf(mg_state: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
     """The HF state dict of a full Megatron GPTModel state dict: the inverse of `hf_to_megatron`.
 
-    q/k/v and gate/up are split apart, vocabulary padding is cut off, and `output_layer.weight`
-    is dropped when the config ties embeddings. Non-tensor entries (`_extra_state`) are skipped.
+    q/k/v and gate/up are split apart, vocabulary padding is cut off, `output_layer.weight` is
+    dropped when the config ties embeddings, and a value head becomes `score`. Non-tensor
+    entries (`_extra_state`) are skipped.
     """
     _check_model_type(hf_config)
     out: dict[str, Tensor] = {}
@@ -148,6 +173,8 @@ def megatron_to_hf_named(name: str, tensor: Tensor, hf_config: Any) -> list[tupl
         return [("lm_head.weight", tensor[: hf_config.vocab_size])]
     if name in _GLOBAL_RENAMES:
         return [(_GLOBAL_RENAMES[name], tensor)]
+    if name in _VALUE_HEAD_RENAMES:
+        return [(_VALUE_HEAD_RENAMES[name], tensor)]
     m = _LAYER.fullmatch(name)
     if m is None:
         raise ValueError(f"unknown Megatron parameter {name!r}; no HF counterpart")

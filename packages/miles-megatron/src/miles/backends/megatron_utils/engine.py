@@ -5,6 +5,8 @@ model is a GPTModel built from the Hugging Face config (Qwen2, Qwen3, Llama) and
 weights; the optimizer is Megatron's (distributed by default). Megatron's schedules own the forward
 and backward of every micro-batch (1F1B with pipelining), so the train step's loss callback runs
 inside them, on the last pipeline stage; results are broadcast from there to the other stages.
+PPO's critic is a second engine on the same ranks and groups (`value_model`), whose model ends in
+a value head (`value_model.py`) and whose "log-probs" are values.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ from miles.backends.megatron_utils.model_provider import (
     transformer_config_from_hf,
 )
 from miles.backends.megatron_utils.offload import StorageOffloader
-from miles.backends.megatron_utils.parallel import initialize_megatron_parallel
+from miles.backends.megatron_utils.parallel import (
+    initialize_megatron_parallel,
+    join_megatron_parallel,
+)
+from miles.backends.megatron_utils.value_model import ValueForward, value_model_state
 from miles.backends.megatron_utils.weights import export_hf_directory, iter_hf_tensors
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch, batch_size
 from miles.backends.training_utils.step.train_engine import (
@@ -56,7 +62,8 @@ _DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine",
 
 
 class MegatronEngine:
-    """One rank of the Megatron policy (and, when asked, a frozen reference model)."""
+    """One rank of the Megatron policy (and, when asked, a frozen reference model), or of PPO's
+    value model (`value_model`: its "log-probs" are values, `CriticTrainer`'s engine)."""
 
     def __init__(
         self,
@@ -66,11 +73,20 @@ class MegatronEngine:
         device: torch.device,
         world_size: int,
         with_ref: bool,
+        value_model: bool = False,
     ) -> None:
+        if value_model and with_ref:
+            raise ValueError("a value model has no reference model: build it with with_ref=False")
         self.mg, self.hf_checkpoint, self.device = args, spec.hf_checkpoint, device
-        self.hf_config = AutoConfig.from_pretrained(spec.hf_checkpoint)
+        self.value_model = value_model
+        # A value model is the checkpoint as a one-label token-classification model.
+        head = {"num_labels": 1} if value_model else {}
+        self.hf_config = AutoConfig.from_pretrained(spec.hf_checkpoint, **head)
         validate_against_hf(args, self.hf_config, world_size)
-        initialize_megatron_parallel(args)  # groups and the seeded RNG tracker
+        if value_model:
+            join_megatron_parallel(args)  # the policy's engine on these ranks formed them
+        else:
+            initialize_megatron_parallel(args)  # groups and the seeded RNG tracker
         torch.manual_seed(args.seed)
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_size = mpu.get_data_parallel_world_size()
@@ -103,7 +119,7 @@ class MegatronEngine:
             [self.model],
         )
         self.scheduler = build_lr_scheduler(self.optimizer, args, spec.total_optimizer_steps)
-        self.forward = MicroBatchForward(
+        self.forward = (ValueForward if value_model else MicroBatchForward)(
             hf_config=self.hf_config, temperature=spec.rollout_temperature, device=device,
             cp_group=mpu.get_context_parallel_group(),
         )  # fmt: skip
@@ -120,11 +136,13 @@ class MegatronEngine:
             self.mg,
             pre_process=mpu.is_pipeline_first_stage(),
             post_process=mpu.is_pipeline_last_stage(),
+            value_head=self.value_model,
         ).to(self.device)
         # Every rank reads the HF weights and keeps its own tensor-parallel slices of them.
-        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        load_hf_weights(model, hf_model.state_dict(), hf_config, self.mg)
-        del hf_model
+        load_hf_weights(
+            model, self._hf_state(source, hf_config), hf_config, self.mg,
+            value_head=self.value_model,
+        )  # fmt: skip
         if not trainable:
             model.requires_grad_(False)
             return model.eval()
@@ -136,6 +154,11 @@ class MegatronEngine:
             ),
             module=model,
         )
+
+    def _hf_state(self, source: str, hf_config: Any) -> dict[str, Tensor]:
+        if self.value_model:
+            return value_model_state(source, hf_config, seed=self.mg.seed)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
 
     @torch.no_grad()
     def update_reference(self) -> None:
@@ -236,7 +259,7 @@ class MegatronEngine:
             self.model.module, path, hf_config=self.hf_config,
             tokenizer_path=self.hf_checkpoint, dtype=self.engine_dtype,
             tp_group=mpu.get_tensor_model_parallel_group(),
-            pp_group=mpu.get_pipeline_model_parallel_group(),
+            pp_group=mpu.get_pipeline_model_parallel_group(), value_head=self.value_model,
         )  # fmt: skip
 
     def sleep(self) -> None:

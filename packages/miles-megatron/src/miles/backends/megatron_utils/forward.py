@@ -63,7 +63,9 @@ def scored_ids(micro: RolloutBatch) -> list[torch.Tensor] | None:
 
 
 class MicroBatchForward:
-    """Builds the forward-step function Megatron's pipeline schedules call per micro-batch."""
+    """Builds the forward-step function Megatron's pipeline schedules call per micro-batch.
+    What the loss reads of the model's output is `response_outputs`: the policy's log-probs
+    here, the values of PPO's value model in `value_model.ValueForward`."""
 
     def __init__(
         self, *, hf_config: Any, temperature: float, device: torch.device, cp_group: Any = None
@@ -95,28 +97,14 @@ class MicroBatchForward:
                 attention_mask=None,  # causal: right padding never reaches an earlier position
             )
 
-            # Each response position's target, then the K token ids it also scores, if any.
-            scored = scored_ids(micro)
-            if scored is not None:
-                targets = [
-                    torch.cat([t.unsqueeze(-1), ids], dim=-1)
-                    for t, ids in zip(targets, scored, strict=True)
-                ]  # (R, 1 + K) per sample
-
             def loss_func(output_tensor: torch.Tensor):
-                if self.cp_size > 1:
-                    log_probs, entropy = self._split_response_log_probs(
-                        output_tensor, input_ids, positions, targets
-                    )
-                else:
-                    log_probs, entropy = self._response_log_probs(output_tensor, positions, targets)
-                both = torch.cat(log_probs)  # (sum R,) or (sum R, 1 + K)
-                response = both if scored is None else both[:, 0]
+                response, entropy, extra = self.response_outputs(
+                    output_tensor, micro, input_ids, positions, targets
+                )
                 if loss_fn is None:
                     pieces = response.detach().float().cpu()  # (sum R,)
                     return output_tensor.sum() * 0.0, {"log_probs": pieces}
-                extra = None if scored is None else both[:, 1:]
-                loss, metrics = loss_fn(index, response, torch.cat(entropy), extra)
+                loss, metrics = loss_fn(index, response, entropy, extra)
                 # Megatron's schedule divides a loss by the number of micro-batches and
                 # multiplies it by the context-parallel size, expecting each rank's share; the
                 # step's loss is already normalized by global counts, and every
@@ -126,6 +114,35 @@ class MicroBatchForward:
             return output, loss_func
 
         return forward_step
+
+    def response_outputs(
+        self,
+        output: torch.Tensor,
+        micro: RolloutBatch,
+        input_ids: torch.Tensor,
+        positions: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the loss reads of the model's `output` for `micro` (padded to `input_ids`, with
+        `pad_micro_batch`'s response positions and targets): the (sum R,) response log-probs,
+        their entropies, and the (sum R, K) log-probs of its scored ids (None without them)."""
+        # Each response position's target, then the K token ids it also scores, if any.
+        scored = scored_ids(micro)
+        if scored is not None:
+            targets = [
+                torch.cat([t.unsqueeze(-1), ids], dim=-1)
+                for t, ids in zip(targets, scored, strict=True)
+            ]  # (R, 1 + K) per sample
+        if self.cp_size > 1:
+            log_probs, entropy = self._split_response_log_probs(
+                output, input_ids, positions, targets
+            )
+        else:
+            log_probs, entropy = self._response_log_probs(output, positions, targets)
+        both = torch.cat(log_probs)  # (sum R,) or (sum R, 1 + K)
+        if scored is None:
+            return both, torch.cat(entropy), None
+        return both[:, 0], torch.cat(entropy), both[:, 1:]
 
     def _response_log_probs(
         self,

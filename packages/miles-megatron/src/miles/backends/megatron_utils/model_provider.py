@@ -28,6 +28,7 @@ from miles.backends.megatron_utils.arguments import (
 from miles.backends.megatron_utils.context_parallel import ContextParallelAttention
 from miles.backends.megatron_utils.convert import attention_dims, hf_to_megatron
 from miles.backends.megatron_utils.tp_sharding import tp_shard
+from miles.backends.megatron_utils.value_model import GPTValueModel, value_head_has_bias
 from miles.backends.training_utils.infra.device import get_device_info
 
 logger = logging.getLogger(__name__)
@@ -106,18 +107,24 @@ def transformer_config_from_hf(hf_config: Any, args: MegatronArgs) -> Transforme
 
 
 def build_gpt_model(
-    hf_config: Any, args: MegatronArgs, *, pre_process: bool = True, post_process: bool = True
+    hf_config: Any,
+    args: MegatronArgs,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    value_head: bool = False,
 ) -> GPTModel:
     """A randomly initialised GPTModel shaped like `hf_config`, holding this rank's tensor-parallel
     slices (Megatron's parallel state must be initialised). `pre_process` / `post_process`: this
     pipeline stage holds the embedding / the final norm and output layer.
 
     Its forward is `model(input_ids, position_ids, attention_mask=None)` (causal attention; the
-    ids are [B, T]) and returns vocabulary-parallel logits [B, T, padded_vocab / tp].
+    ids are [B, T]) and returns vocabulary-parallel logits [B, T, padded_vocab / tp], or with
+    `value_head` (PPO's value model, a `GPTValueModel`) values [B, T, 1].
     """
     config = transformer_config_from_hf(hf_config, args)
     rope_theta, rope_scaling_factor = _rope(hf_config)
-    return GPTModel(
+    gpt_model_args = dict(
         config=config,
         transformer_layer_spec=_layer_spec(config),
         vocab_size=padded_vocab_size(
@@ -126,11 +133,16 @@ def build_gpt_model(
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta,
         rope_scaling=rope_scaling_factor is not None,
         rope_scaling_factor=rope_scaling_factor or 8.0,
+    )
+    if value_head:
+        return GPTValueModel(**gpt_model_args, value_head_bias=value_head_has_bias(hf_config))
+    return GPTModel(
+        **gpt_model_args,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
     )
 
 
@@ -144,11 +156,17 @@ def _layer_spec(config: TransformerConfig) -> ModuleSpec:
 
 
 def load_hf_weights(
-    model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_config: Any, args: MegatronArgs
+    model: torch.nn.Module,
+    hf_state: dict[str, torch.Tensor],
+    hf_config: Any,
+    args: MegatronArgs,
+    *,
+    value_head: bool = False,
 ) -> None:
     """Copy a full HF state dict into `model` (from `build_gpt_model`): convert to Megatron's
     layout, keep this rank's tensor-parallel slice of each parameter, and load strictly, so a
-    missing or unexpected tensor raises. Pipeline stages take their own layers."""
+    missing or unexpected tensor raises. Pipeline stages take their own layers. `value_head`:
+    `model` is a value model and `hf_state` a one-label token-classification model's."""
     tp_size = mpu.get_tensor_model_parallel_world_size()
     if tp_size != args.tensor_model_parallel_size:
         raise ValueError(
@@ -157,8 +175,9 @@ def load_hf_weights(
         )
     tp_rank = mpu.get_tensor_model_parallel_rank()
     full = hf_to_megatron(
-        hf_state, hf_config, vocab_divisible_by=args.make_vocab_size_divisible_by, tp_size=tp_size
-    )
+        hf_state, hf_config, vocab_divisible_by=args.make_vocab_size_divisible_by,
+        tp_size=tp_size, value_head=value_head,
+    )  # fmt: skip
     global_names = global_layer_names(model)
     local_state = {}
     for name, current in model.state_dict().items():

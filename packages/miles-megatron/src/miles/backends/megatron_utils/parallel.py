@@ -73,6 +73,34 @@ def initialize_megatron_parallel(args: MegatronArgs) -> ParallelState:
     return state
 
 
+def join_megatron_parallel(args: MegatronArgs) -> None:
+    """Use the groups a first engine on these ranks formed (PPO's critic runs on the policy's
+    ranks, with the policy's layout): Megatron's parallel state is one per process. Raises if
+    there are none, or if they split the model otherwise than `args`."""
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError(
+            "join_megatron_parallel: Megatron's parallel state is not initialised; the policy's "
+            "engine (initialize_megatron_parallel) must be built first"
+        )
+    found = (
+        mpu.get_tensor_model_parallel_world_size(),
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_context_parallel_world_size(),
+    )
+    wanted = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    if found != wanted:
+        raise ValueError(
+            f"this process's Megatron groups split the model tp x pp x cp = {found}, but this "
+            f"engine asks for {wanted}; an engine on the policy's ranks uses the policy's "
+            "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+            "--context-parallel-size"
+        )
+
+
 def destroy_megatron_parallel() -> None:
     """Drop Megatron's groups (the world itself stays)."""
     mpu.destroy_model_parallel()

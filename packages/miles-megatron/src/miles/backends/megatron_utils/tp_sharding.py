@@ -2,8 +2,9 @@
 
 Column-parallel (dim 0): linear_qkv (whole query groups per rank), linear_fc1 (gate and up
 halves split separately), word embeddings and output layer (vocabulary rows). Row-parallel
-(dim 1): linear_proj and linear_fc2 weights. Everything else (layernorms, row-parallel biases)
-is replicated. Used to rebuild full parameters for weight sync and HF export, and in tests.
+(dim 1): linear_proj and linear_fc2 weights. Everything else (layernorms, row-parallel biases,
+the value model's one-output `score` head) is replicated. Used to rebuild full parameters for
+weight sync and HF export, and in tests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from miles.backends.megatron_utils.convert import attention_dims
 _COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")
 _ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _REPLICATED_LEAVES = ("layer_norm_weight", "layer_norm_bias")  # norms fused into TE linears
+_REPLICATED_OWNERS = ("score",)  # the value head (value_model.ValueHead): one row, not split
 
 
 def tp_partition_dim(name: str) -> int | None:
@@ -28,7 +30,7 @@ def tp_partition_dim(name: str) -> int | None:
     parts = name.split(".")
     leaf = parts[-1]
     owner = parts[-2] if len(parts) > 1 else ""
-    if leaf in _REPLICATED_LEAVES or owner.endswith("layernorm"):
+    if leaf in _REPLICATED_LEAVES or owner.endswith("layernorm") or owner in _REPLICATED_OWNERS:
         return None
     if owner in _COLUMN_PARALLEL and leaf in ("weight", "bias"):
         return 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from miles.backends.megatron_utils.convert import megatron_to_hf_named
 from miles.backends.megatron_utils.model_provider import global_layer_names
@@ -83,15 +83,18 @@ def export_hf_directory(
     dtype: torch.dtype,
     tp_group: Any = None,
     pp_group: Any = None,
+    value_head: bool = False,
 ) -> None:
-    """Write a directory `AutoModelForCausalLM.from_pretrained` loads; every rank calls it."""
+    """Write a directory `AutoModelForCausalLM.from_pretrained` loads (with `value_head`, PPO's
+    value model: `AutoModelForTokenClassification`, one label); every rank calls it."""
     pairs = iter_hf_tensors(model, hf_config, dtype, tp_group, pp_group)
     tensors = {name: t.cpu() for name, t in pairs}
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+        hf_model = auto.from_config(hf_config, dtype=dtype)
         missing, unexpected = hf_model.load_state_dict(tensors, strict=False)
         # A tied lm_head is not a separate tensor in either model.
         missing = [

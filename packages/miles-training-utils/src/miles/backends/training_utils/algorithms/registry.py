@@ -40,7 +40,7 @@ BatchInput = Literal["old_log_probs", "ref_log_probs", "rollout_log_probs", "adv
 - ref_log_probs: the frozen reference model's log-probs (runs a second model);
 - rollout_log_probs: the engine's log-probs, recorded during generation;
 - advantages: per-token advantages from the estimator (and `returns`);
-- values: a critic's values (ppo; no backend trains a critic yet).
+- values: a critic's values (ppo).
 """
 BATCH_INPUTS: frozenset[str] = frozenset(BatchInput.__args__)  # type: ignore[attr-defined]
 

@@ -71,7 +71,7 @@ class RolloutBatch(_RequiredColumns, total=False):
     returns: list[Tensor]
     """Added by the train step with `advantages`: the estimator's return of each response token."""
     values: list[Tensor]
-    """A critic's value of each response token (ppo; no backend trains a critic yet)."""
+    """A critic's value of each response token (ppo)."""
 
 
 ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
