@@ -4,7 +4,8 @@ tensor-parallel ranks and stays so while it trains; a critic-only rollout leaves
 bit-identical; its value loss falls over rollouts of one batch; sleep / wake-up keeps its values; a
 saved critic reloads exactly (the same values, and the same next rollout); its HF export is a
 one-label token-classification model that gives those values at the positions predicting the
-response. Agreement with the FSDP critic: tests/e2e/test_megatron_matches_fsdp.py."""
+response; a critic on ranks of its own (role "critic") started from that export gives them too,
+and trains on returns it is handed. Agreement with the FSDP critic: tests/e2e/test_megatron_matches_fsdp.py."""
 
 from __future__ import annotations
 
@@ -151,3 +152,59 @@ def test_the_exported_critic_gives_the_values_at_the_positions_predicting_the_re
         want.append(scores[end - length : end])
     got = life["ranks"][0]["reloaded"].double()
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
+
+
+def _own_ranks_life(rank: int, checkpoint: Path, export_dir: Path, save_dir: Path) -> dict:
+    """Role "critic" (--critic-num-nodes): no policy on these ranks, so the critic's engine forms
+    the Megatron groups itself; it starts from the exported critic."""
+    install_megatron_training_cpu_shim()
+    import miles.backends.megatron_utils.actor as actor_module
+    from miles.backends.training_utils.algorithms.critic_config import CriticConfig
+    from miles.backends.training_utils.algorithms.loss_config import LossConfig
+
+    actor_module.require_gpu = lambda: None  # the backend refuses CPU machines; the shim is why
+    actor = actor_module.MegatronTrainRayActor(rank, WORLD, "127.0.0.1", free_port())
+    args = make_args(checkpoint, save_dir, **SETTINGS)
+    critic = CriticConfig(
+        critic_hf_checkpoint=str(export_dir), critic_save=str(save_dir / "critic"),
+        critic_lr=5e-3, critic_num_nodes=1,
+    )  # fmt: skip
+    spec = dataclasses.replace(args.spec, critic=critic, load=None)
+    loss = LossConfig(advantage_estimator="ppo", lambd=0.95, value_clip=0.2)
+    start = actor.init(spec, loss, args.megatron, role="critic")
+    batch = make_batch(seed=0)
+    values = actor.critic_values(dict(batch))
+    returns = [v.detach() + 1.0 for v in values]  # targets one above: the loss is known
+    steps = actor.train_critic(0, dict(batch), values, returns)
+    actor.save_model(0)
+    actor.commit_checkpoint(0)
+    return {
+        "start": start, "engine": actor.engine, "values": torch.cat(values), "steps": steps,
+        "after": torch.cat(actor.critic_values(dict(batch))),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def own_ranks(life, tmp_path_factory) -> list[dict]:
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("megatron_critic_own_ranks")
+    checkpoint = build_tiny_checkpoint(tmp / "hf", seed=0)
+    return run_distributed(
+        _own_ranks_life, WORLD, checkpoint, life["export"], tmp / "save", timeout_s=300
+    )
+
+
+def test_a_critic_on_ranks_of_its_own_starts_from_a_checkpoint_and_trains_on_given_returns(
+    life, own_ranks
+):
+    for rank in own_ranks:
+        assert rank["start"] == 0 and rank["engine"] is None  # no policy on these ranks
+        # The exported critic's values, now in an engine that formed its own groups.
+        torch.testing.assert_close(rank["values"], life["ranks"][0]["reloaded"], atol=1e-5, rtol=0)
+        first = rank["steps"][0]
+        # Values before the step are the clip's anchor: the loss of returns one above them.
+        assert first["critic/value_loss"] == pytest.approx(0.5, rel=1e-5)
+        assert first["critic/step"] == 1.0 and len(rank["steps"]) == 2
+        assert (rank["after"] - rank["values"]).mean() > 0  # moved toward the returns
+    assert own_ranks[0]["steps"] == own_ranks[1]["steps"]

@@ -83,9 +83,9 @@ class MegatronEngine:
         head = {"num_labels": 1} if value_model else {}
         self.hf_config = AutoConfig.from_pretrained(spec.hf_checkpoint, **head)
         validate_against_hf(args, self.hf_config, world_size)
-        if value_model:
+        if value_model and mpu.model_parallel_is_initialized():
             join_megatron_parallel(args)  # the policy's engine on these ranks formed them
-        else:
+        else:  # the policy, or a critic on ranks of its own (--critic-num-nodes)
             initialize_megatron_parallel(args)  # groups and the seeded RNG tracker
         torch.manual_seed(args.seed)
         self.dp_group = mpu.get_data_parallel_group()

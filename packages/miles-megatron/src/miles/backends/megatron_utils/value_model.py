@@ -4,9 +4,8 @@ by a one-output linear head, its start weights, and its values per micro-batch.
 It is what transformers' `AutoModelForTokenClassification(num_labels=1)` computes (decoder, final
 norm, `score`), which the FSDP backend's critic trains, and it reads and writes the same `score`
 tensors. The head is one row: too small to split, so every tensor-parallel rank holds all of it
-(see `ValueHead`); with pipeline parallelism the last stage holds it. Left out: transformers'
-classifier dropout, which the FSDP critic applies while training (`classifier_dropout`, 0.1 when
-the config names none); no Megatron layer here drops anything.
+(see `ValueHead`); with pipeline parallelism the last stage holds it. Nothing drops out: the
+FSDP critic turns transformers' classifier dropout off too.
 """
 
 from __future__ import annotations
