@@ -79,14 +79,12 @@ def train_first_rollout(actor, checkpoint: Path, loss, backend) -> dict:
 def build_critic_checkpoint(checkpoint: Path, out: Path) -> Path:
     """`checkpoint` as a one-label token-classification model with a seeded head and bias, as an
     exported critic would be: both backends must start from this `score`, not from a new one.
-    Without classifier dropout, which transformers' model applies in training (Megatron's
-    critic has none)."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    Its config keeps transformers' default classifier dropout (0.1 in training): the FSDP
+    critic must turn it off, as Megatron's has none."""
+    from transformers import AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(checkpoint, num_labels=1)
-    config.classifier_dropout = 0.0  # an attribute: transformers drops it as a keyword
     model = AutoModelForTokenClassification.from_pretrained(
-        checkpoint, config=config, dtype=torch.float32
+        checkpoint, num_labels=1, dtype=torch.float32
     )
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():  # values of about +-1, as large as the rewards

@@ -353,6 +353,7 @@ def export_checkpoint_to_hf(
         value_model = bool(meta.get("extra", {}).get(VALUE_MODEL_KEY, False))
         if value_model:
             config.num_labels = 1
+            config.classifier_dropout = 0.0  # as it trained (modeling.build_fsdp_model)
         auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
         model = auto.from_config(config, torch_dtype=torch.float32)
         state = get_model_state_dict(model)

@@ -55,6 +55,12 @@ def build_fsdp_model(
     head = {"num_labels": 1} if value_head else {}
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     config = AutoConfig.from_pretrained(hf_checkpoint, **head)
+    if value_head:
+        # transformers' token-classification head drops 10% of the final hidden states in
+        # training unless the config says otherwise: a regression target fitted through noise
+        # the values it gives (in eval mode) never see. A critic drops nothing, as on Megatron.
+        # An attribute, not a keyword: from_pretrained ignores keywords the config class lacks.
+        config.classifier_dropout = 0.0
     full_state: dict[str, torch.Tensor] = {}
     if rank == 0:
         model = auto.from_pretrained(
