@@ -38,6 +38,7 @@ from miles.rollout.group_loop import group_runner, run_groups
 from miles.rollout.loader import load_rollout
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
+from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.hf_config import hf_config_value
@@ -79,6 +80,7 @@ class RolloutManager:
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
         self._reward_failures = self._reward_scored = 0
+        self._reward_tallies: dict[str, RewardTally] = {}
         self._fully_async: FullyAsyncRollouts | None = None
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
         self._train_data_import: asyncio.Future[ModuleType] | None = None
@@ -99,6 +101,7 @@ class RolloutManager:
         # Seconds of imports (see the module docstring); the rollout functions share it.
         tokenizer = load_tokenizer(self.config.checkpoint.hf_checkpoint)
         dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
+        self.reward_hub.check_rewards(dataset.own_rewards)
         return _Prompts(
             tokenizer=tokenizer,
             dataset=dataset,
@@ -134,6 +137,7 @@ class RolloutManager:
                 }
             )
             dataset = PromptDataset(data_config, tokenizer, **self._row_checks())
+            self.reward_hub.check_rewards(dataset.own_rewards)
             sources[name] = (dataset, data_config)
         return sources
 
@@ -144,6 +148,7 @@ class RolloutManager:
         return {
             "labels_required": self.config.reward.rm_type in BUILTIN_RM_TYPES,
             "context_length": int(context) if context else None,
+            "reward": self.config.reward,
         }
 
     # -- engines (miles.ray.engine_fleet) ------------------------------------------------------
@@ -232,6 +237,7 @@ class RolloutManager:
         self._start_train_data_import()
         self._reward_metrics = {}
         self._reward_failures = self._reward_scored = 0
+        self._reward_tallies: dict[str, RewardTally] = {}
         try:
             groups, metrics = await self._rollout(rollout_id)
         except EngineError as err:
@@ -283,6 +289,9 @@ class RolloutManager:
         self._reward_metrics["reward/failure_rate"] = self._reward_failures / max(
             1, self._reward_scored
         )
+        for name, tally in report.by_reward.items():  # rows that name their own reward
+            self._reward_tallies.setdefault(name, RewardTally()).add(tally)
+        self._reward_metrics.update(reward_tally_metrics(self._reward_tallies))
         return report
 
     # -- evaluation --------------------------------------------------------------------------
@@ -449,6 +458,7 @@ class RolloutManager:
         # Scoring runs all the time: each rollout reports what was scored since the last one.
         self._reward_metrics = {}
         self._reward_failures = self._reward_scored = 0
+        self._reward_tallies: dict[str, RewardTally] = {}
         return result
 
     async def pause_for_weight_update(self) -> None:

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.chat_template import ChatTemplate, check_template_settings
+from miles.rollout.rewards.sample_reward import SampleReward, check_row_reward
 
 if TYPE_CHECKING:
     import datasets
+
+    from miles.rollout.rewards.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +128,13 @@ class PromptDataset:
         *,
         labels_required: bool = False,
         context_length: int | None = None,
+        reward: RewardConfig | None = None,
     ) -> None:
         """`labels_required`: the reward reads the label, so a row without one is an error.
         `context_length`: the model's (prompt + response) token limit; a prompt that fills it
-        is dropped (an engine refuses it)."""
+        is dropped (an engine refuses it). `reward`: the run's; a row naming its own in its
+        metadata (`miles.rollout.rewards.sample_reward`) is checked against it, and needs a
+        label exactly when its own reward reads one."""
         self.config = config
         path = Path(config.prompt_data)
         table, lines = _read_table(path)
@@ -158,6 +164,8 @@ class PromptDataset:
         ids = tokenizer(prompts, add_special_tokens=not config.apply_chat_template)["input_ids"]
 
         self._records: list[PromptRecord] = []
+        self.own_rewards: dict[SampleReward, str] = {}
+        """Each reward a row names in its metadata, with the first row naming it."""
         limits = _length_limits(config.rollout_max_prompt_len, context_length)
         self.dropped_by = dict.fromkeys(limits, 0)
         for row, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
@@ -166,7 +174,14 @@ class PromptDataset:
                     f"{where[row]}: renders to an empty prompt (column {config.input_key!r}); "
                     "remove the row or fill it in"
                 )
-            if labels_required and labels[row] is None:
+            row_metadata = _metadata_dict(where[row], metadata[row], config)
+            needs_label = labels_required
+            if reward is not None:
+                own = check_row_reward(where[row], row_metadata, reward)
+                needs_label = own.reads_label
+                if own != SampleReward.of_config(reward):
+                    self.own_rewards.setdefault(own, where[row])
+            if needs_label and labels[row] is None:
                 raise ValueError(
                     f"{where[row]}: no label (column {config.label_key!r}), and the reward "
                     "compares answers with it; fill it in or remove the row"
@@ -186,7 +201,7 @@ class PromptDataset:
                     prompt=prompt,
                     prompt_ids=list(prompt_ids),
                     label=_label_text(labels[row]),
-                    metadata=_metadata_dict(where[row], metadata[row], config),
+                    metadata=row_metadata,
                     messages=chats[row],
                     tools=_tool_names(where[row], tools[row], config),
                 )

@@ -9,6 +9,10 @@ Failures are counted in the `RewardReport` (`reward/failures`, `reward/failure_r
 per batch with the count and the first message, and the run continues: the hub never raises for a
 failing reward function. With `--group-rm`, a group whose call fails fails all its samples.
 
+A row may name its own reward (`metadata["rm_type"]`, `miles.rollout.rewards.sample_reward`):
+each sample is scored with the reward its metadata names, else with the run's, and the report
+tallies the rewards by name (`reward/<name>/mean`) when any sample named one.
+
 Sync functions run in worker threads (`asyncio.to_thread`), so a slow one does not stall the event
 loop; a timed-out thread cannot be killed and runs on in the background, only its result is dropped.
 """
@@ -29,6 +33,7 @@ from miles.backends.training_utils.infra.import_path import load_function
 from miles.rollout.rewards.config import CUSTOM_RM_PATH_FLAG, RewardConfig
 from miles.rollout.rewards.math import math_reward
 from miles.rollout.rewards.remote import RemoteRewardModel
+from miles.rollout.rewards.sample_reward import SampleReward, names_own_reward, sample_reward
 from miles.rollout.rewards.text import exact_match_reward, f1_reward
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,20 @@ class RewardTimeoutError(TimeoutError):
 
 
 @dataclass
+class RewardTally:
+    """Samples scored by one reward, the sum of their rewards, and how many failed."""
+
+    samples: int = 0
+    total: float = 0.0
+    failures: int = 0
+
+    def add(self, other: RewardTally) -> None:
+        self.samples += other.samples
+        self.total += other.total
+        self.failures += other.failures
+
+
+@dataclass
 class RewardReport:
     """Rewards of one scored batch, in input (flattened) order, and what failed."""
 
@@ -59,11 +78,39 @@ class RewardReport:
     failures: int = 0
     failure_messages: list[str] = field(default_factory=list)
     """The first `MAX_FAILURE_MESSAGES` messages, each prefixed with the sample's batch position."""
+    by_reward: dict[str, RewardTally] = field(default_factory=dict)
+    """Tallies by reward name (`SampleReward.name`); empty unless a sample named its own."""
 
     def metrics(self) -> dict[str, float]:
-        """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch)."""
+        """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch), and by
+        reward name (`reward_tally_metrics`)."""
         rate = self.failures / len(self.rewards) if self.rewards else 0.0
-        return {"reward/failures": float(self.failures), "reward/failure_rate": rate}
+        return {
+            "reward/failures": float(self.failures),
+            "reward/failure_rate": rate,
+            **reward_tally_metrics(self.by_reward),
+        }
+
+
+def reward_tally_metrics(tallies: dict[str, RewardTally]) -> dict[str, float]:
+    """`reward/<name>/mean` (failed samples count with their failure score), `/samples` and
+    `/failures` of each reward."""
+    metrics = {}
+    for name, tally in sorted(tallies.items()):
+        metrics[f"reward/{name}/mean"] = tally.total / max(tally.samples, 1)
+        metrics[f"reward/{name}/samples"] = float(tally.samples)
+        metrics[f"reward/{name}/failures"] = float(tally.failures)
+    return metrics
+
+
+@dataclass
+class _Scorer:
+    """One reward, resolved: its settings and the function that computes it."""
+
+    config: RewardConfig
+    fn: Callable[..., Any]
+    is_async: bool
+    remote: RemoteRewardModel | None = None
 
 
 class RewardHub:
@@ -79,14 +126,18 @@ class RewardHub:
 
     def __init__(self, config: RewardConfig):
         self.config = config
-        self._remote: RemoteRewardModel | None = None
-        self._fn = self._resolve()
-        self._is_async = _is_async_callable(self._fn)
+        self._run_reward = SampleReward.of_config(config)
+        # Resolved on first use: the run's now (a broken --custom-rm-path fails at start), a
+        # row's own when a sample names it.
+        self._scorers: dict[SampleReward, _Scorer] = {}
+        self._scorer(self._run_reward)
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
-        return f"RewardHub(rm_type={self.config.rm_type!r}, fn={self._fn!r})"
+        return (
+            f"RewardHub(rm_type={self.config.rm_type!r}, fn={self._scorer(self._run_reward).fn!r})"
+        )
 
     async def __aenter__(self) -> RewardHub:
         return self
@@ -95,9 +146,10 @@ class RewardHub:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Release the remote reward model's connections, if any."""
-        if self._remote is not None:
-            await self._remote.aclose()
+        """Release the remote reward models' connections, if any."""
+        for scorer in self._scorers.values():
+            if scorer.remote is not None:
+                await scorer.remote.aclose()
 
     async def score(self, samples: list[Sample]) -> RewardReport:
         """Score `samples`; with `--group-rm`, samples sharing a `group_index` form one call."""
@@ -115,38 +167,55 @@ class RewardHub:
             start += len(group)
         return await self._score(flat, positions)
 
-    def _resolve(self) -> Callable[..., Any]:
-        config = self.config
-        if config.rm_type in BUILTIN_REWARDS:
-            return BUILTIN_REWARDS[config.rm_type]
-        if config.rm_type == "remote":
-            assert config.rm_url is not None, "RewardConfig checks that remote has --rm-url"
-            self._remote = RemoteRewardModel(
-                config.rm_url,
-                timeout_s=config.rm_timeout_s,
-                max_retries=config.rm_max_retries,
-                max_connections=config.rm_concurrency,
-            )
-            return self._remote.score_group if config.group_rm else self._remote
-        assert config.custom_rm_path is not None, "RewardConfig checks that custom has a path"
-        return load_reward_function(config.custom_rm_path)
+    def check_rewards(self, named: dict[SampleReward, str]) -> None:
+        """Load every reward the data's rows name (`PromptDataset.own_rewards`: each with the
+        first row naming it) before the first rollout; a custom function that cannot be
+        imported is an error naming that row."""
+        for reward, location in named.items():
+            try:
+                self._scorer(reward)
+            except Exception as err:  # whatever importing the user's module raises
+                raise ValueError(f"{location}: its reward {reward.name!r}: {err}") from None
+
+    def _scorer(self, reward: SampleReward) -> _Scorer:
+        if reward not in self._scorers:
+            self._scorers[reward] = _resolve(reward.config(self.config))
+        return self._scorers[reward]
+
+    def _reward_of(self, sample: Sample) -> SampleReward | str:
+        """The reward `sample` is scored with, or why its metadata names none that can be."""
+        try:
+            return sample_reward(sample.metadata, self.config) or self._run_reward
+        except ValueError as err:  # the loader checked the rows; a custom rollout may not
+            return str(err)
 
     async def _score(self, samples: list[Sample], groups: list[list[int]] | None) -> RewardReport:
-        outcomes: list[_Outcome]
-        if groups is None:
-            outcomes = list(await asyncio.gather(*(self._evaluate(s) for s in samples)))
-        else:
-            per_group = await asyncio.gather(
-                *(self._evaluate_group([samples[i] for i in group]) for group in groups)
-            )
-            outcomes = [(None, "not scored")] * len(samples)  # every position is in one group
-            for group, group_outcomes in zip(groups, per_group, strict=True):
-                for position, outcome in zip(group, group_outcomes, strict=True):
-                    outcomes[position] = outcome
-        return self._apply(samples, outcomes)
+        rewards = [self._reward_of(s) for s in samples]
+        outcomes: list[_Outcome] = [(None, "not scored")] * len(samples)
+        groups = groups if groups is not None else [[i] for i in range(len(samples))]
+        calls, targets = [], []
+        for group in groups:
+            named = {rewards[i] for i in group}
+            reward = named.pop() if len(named) == 1 else None
+            if isinstance(reward, SampleReward) and reward.config(self.config).group_rm:
+                calls.append(self._evaluate_group([samples[i] for i in group], reward))
+                targets.append(group)
+                continue
+            for i in group:  # one sample at a time, each with its own reward
+                calls.append(self._evaluate_one(samples[i], rewards[i]))
+                targets.append([i])
+        for target, target_outcomes in zip(targets, await asyncio.gather(*calls), strict=True):
+            for position, outcome in zip(target, target_outcomes, strict=True):
+                outcomes[position] = outcome
+        own = any(names_own_reward(sample.metadata) for sample in samples)
+        names = [r.name if isinstance(r, SampleReward) else "invalid" for r in rewards]
+        return self._apply(samples, outcomes, names if own else None)
 
-    def _apply(self, samples: list[Sample], outcomes: list[_Outcome]) -> RewardReport:
-        """Write rewards onto the samples, the failure score onto failed ones, and report."""
+    def _apply(
+        self, samples: list[Sample], outcomes: list[_Outcome], names: list[str] | None
+    ) -> RewardReport:
+        """Write rewards onto the samples, the failure score onto failed ones, and report
+        (tallied by reward `names`, where a sample named its own reward)."""
         report = RewardReport(rewards=[])
         for position, (sample, (reward, error)) in enumerate(zip(samples, outcomes, strict=True)):
             if error is None:
@@ -160,6 +229,9 @@ class RewardHub:
                     report.failure_messages.append(f"sample {position}: {error}")
             sample.reward = sample.raw_reward = reward
             report.rewards.append(reward)
+            if names is not None:
+                tally = report.by_reward.setdefault(names[position], RewardTally())
+                tally.add(RewardTally(1, reward, int(error is not None)))
         if report.failures:
             logger.warning(
                 "%d of %d samples failed their reward (--rm-type %s) and were given "
@@ -172,16 +244,20 @@ class RewardHub:
             )
         return report
 
-    async def _evaluate(self, sample: Sample) -> _Outcome:
+    async def _evaluate_one(self, sample: Sample, reward: SampleReward | str) -> list[_Outcome]:
+        if isinstance(reward, str):
+            return [(None, reward)]
         try:
-            value = await self._call(sample)
-            return self._to_reward(value), None
+            scorer = self._scorer(reward)
+            value = await self._call(scorer, sample)
+            return [(self._to_reward(value, scorer.config), None)]
         except Exception as exc:
-            return None, self._describe(exc)
+            return [(None, self._describe(exc))]
 
-    async def _evaluate_group(self, group: list[Sample]) -> list[_Outcome]:
+    async def _evaluate_group(self, group: list[Sample], reward: SampleReward) -> list[_Outcome]:
         try:
-            values = await self._call(group)
+            scorer = self._scorer(reward)
+            values = await self._call(scorer, group)
             if not isinstance(values, list | tuple) or len(values) != len(group):
                 got = f"{len(values)} values" if isinstance(values, list | tuple) else repr(values)
                 raise TypeError(
@@ -193,30 +269,24 @@ class RewardHub:
         outcomes: list[_Outcome] = []
         for value in values:
             try:
-                outcomes.append((self._to_reward(value), None))
+                outcomes.append((self._to_reward(value, scorer.config), None))
             except Exception as exc:
                 outcomes.append((None, self._describe(exc)))
         return outcomes
 
-    async def _call(self, arg: Any) -> Any:
+    async def _call(self, scorer: _Scorer, arg: Any) -> Any:
         """The reward function on `arg` under the concurrency bound and `--rm-timeout-s`."""
         # The deadline starts once a slot is free: waiting for a slot is not the function's fault.
         async with self._concurrency_slots():
             try:
                 async with asyncio.timeout(self.config.rm_timeout_s) as deadline:
-                    return await self._invoke(arg)
+                    return await _invoke(scorer, arg)
             except TimeoutError:
                 if not deadline.expired():  # the function's own TimeoutError, not our deadline
                     raise
                 raise RewardTimeoutError(
                     f"timed out after {self.config.rm_timeout_s} s (--rm-timeout-s)"
                 ) from None
-
-    async def _invoke(self, arg: Any) -> Any:
-        result = self._fn(arg) if self._is_async else await asyncio.to_thread(self._fn, arg)
-        if inspect.isawaitable(result):  # e.g. a sync wrapper that hands back a coroutine
-            result = await result
-        return result
 
     def _concurrency_slots(self) -> asyncio.Semaphore:
         # A semaphore belongs to one event loop; callers may run each batch in a fresh one.
@@ -226,9 +296,9 @@ class RewardHub:
             self._slots_loop = loop
         return self._slots
 
-    def _to_reward(self, value: Any) -> float:
+    def _to_reward(self, value: Any, config: RewardConfig) -> float:
         if isinstance(value, dict):
-            key = self.config.reward_key or _DEFAULT_REWARD_KEY
+            key = config.reward_key or _DEFAULT_REWARD_KEY
             if key not in value:
                 raise KeyError(
                     f"reward returned a dict without the key {key!r} (keys: {list(value)[:10]}); "
@@ -246,6 +316,34 @@ class RewardHub:
         if isinstance(exc, RewardTimeoutError):
             return str(exc)
         return f"{type(exc).__name__}: {exc}"
+
+
+def _resolve(config: RewardConfig) -> _Scorer:
+    """The function computing the reward `config` names (a remote model's client for remote)."""
+    if config.rm_type in BUILTIN_REWARDS:
+        fn: Callable[..., Any] = BUILTIN_REWARDS[config.rm_type]
+        return _Scorer(config, fn, _is_async_callable(fn))
+    if config.rm_type == "remote":
+        assert config.rm_url is not None, "RewardConfig checks that remote has --rm-url"
+        remote = RemoteRewardModel(
+            config.rm_url,
+            timeout_s=config.rm_timeout_s,
+            max_retries=config.rm_max_retries,
+            max_connections=config.rm_concurrency,
+        )
+        fn = remote.score_group if config.group_rm else remote
+        return _Scorer(config, fn, _is_async_callable(fn), remote)
+    assert config.custom_rm_path is not None, "RewardConfig checks that custom has a path"
+    fn = load_reward_function(config.custom_rm_path)
+    return _Scorer(config, fn, _is_async_callable(fn))
+
+
+async def _invoke(scorer: _Scorer, arg: Any) -> Any:
+    fn = scorer.fn
+    result = fn(arg) if scorer.is_async else await asyncio.to_thread(fn, arg)
+    if inspect.isawaitable(result):  # e.g. a sync wrapper that hands back a coroutine
+        result = await result
+    return result
 
 
 def load_reward_function(path: str) -> Callable[..., Any]:
