@@ -105,6 +105,7 @@ class MilesConfig:
         cross_checks.check_routing_replay(training, rollout, checkpoint, cluster, made)
         cross_checks.check_fault_tolerance(self.engine, cluster)
         cross_checks.check_labels(self.reward, self.data)
+        cross_checks.check_mixture(self.reward, self.data)
         cross_checks.check_observability(self.observability, training)
         cross_checks.check_parallel_sizes(
             cluster, training, model_parallel_size=self.model_parallel_size

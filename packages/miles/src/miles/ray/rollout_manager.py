@@ -36,9 +36,11 @@ from miles.rollout.engine_pool import EnginePool
 from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
 from miles.rollout.group_loop import group_runner, run_groups
 from miles.rollout.loader import load_rollout
+from miles.rollout.mixture import MixtureSource, source_config
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES
 from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
+from miles.rollout.rewards.sample_reward import sample_reward
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.hf_config import hf_config_value
@@ -57,7 +59,8 @@ class _Prompts:
     prompts."""
 
     tokenizer: Any
-    dataset: PromptDataset
+    size: int
+    """Prompts to train on (of every source of a mixture)."""
     source: RolloutDataSource
     eval_sources: dict[str, tuple[PromptDataset, DataSourceConfig]]
 
@@ -95,23 +98,54 @@ class RolloutManager:
             start = time.perf_counter()
             self._data = await asyncio.to_thread(self._read_prompts)
             self.startup_seconds["data"] = time.perf_counter() - start
-        return len(self._data.dataset)
+        return self._data.size
 
     def _read_prompts(self) -> _Prompts:
         # Seconds of imports (see the module docstring); the rollout functions share it.
         tokenizer = load_tokenizer(self.config.checkpoint.hf_checkpoint)
-        dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
-        self.reward_hub.check_rewards(dataset.own_rewards)
+        mixture = self._read_mixture(tokenizer)
+        if mixture is None:
+            dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
+            self.reward_hub.check_rewards(dataset.own_rewards)
+        else:
+            dataset = mixture[0][1]
         return _Prompts(
             tokenizer=tokenizer,
-            dataset=dataset,
+            size=sum(len(d) for _, d in mixture) if mixture else len(dataset),
             source=RolloutDataSource(
                 dataset,
                 self.config.data,
                 n_samples_per_prompt=self.config.rollout.n_samples_per_prompt,
+                mixture=mixture,
             ),
             eval_sources=self._eval_sources(tokenizer),
         )
+
+    def _read_mixture(self, tokenizer: Any) -> list[tuple[MixtureSource, PromptDataset]] | None:
+        """Each source of a --prompt-data mixture file, read with its own columns and checked
+        against its own reward (rows naming none are scored with the source's)."""
+        sources = self.config.data.mixture
+        if sources is None:
+            return None
+        read = []
+        for source in sources:
+            checks = self._row_checks()
+            if source.reward:
+                run_reward = self.config.reward
+                try:
+                    reward = sample_reward(source.reward, run_reward)
+                except ValueError as err:
+                    raise ValueError(
+                        f"--prompt-data {self.config.data.prompt_data}, source {source.name!r}: "
+                        f"{err}"
+                    ) from None
+                assert reward is not None, "a source's reward names an rm_type"
+                checks["reward"] = reward.config(run_reward)
+                self.reward_hub.check_rewards({reward: f"source {source.name!r}"})
+            dataset = PromptDataset(source_config(self.config.data, source), tokenizer, **checks)
+            self.reward_hub.check_rewards(dataset.own_rewards)
+            read.append((source, dataset))
+        return read
 
     @property
     def data_source(self) -> RolloutDataSource:

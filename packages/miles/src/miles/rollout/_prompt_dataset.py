@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.chat_template import ChatTemplate, check_template_settings
+from miles.rollout.mixture import MIXTURE_SUFFIXES, is_mixture_file, read_mixture
 from miles.rollout.rewards.sample_reward import SampleReward, check_row_reward
 
 if TYPE_CHECKING:
     import datasets
 
+    from miles.rollout.mixture import MixtureSource
     from miles.rollout.rewards.config import RewardConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,9 @@ class DataSourceConfig:
     """Where the prompts come from, how they are rendered, and in what order they are served."""
 
     prompt_data: str
-    """Path of a local .jsonl, .json or .parquet file with one prompt per row (--prompt-data)."""
+    """Path of a local .jsonl, .json or .parquet file with one prompt per row (--prompt-data), or
+    of a .yaml mixture of several, each with a weight, its own keys and reward
+    (`miles.rollout.mixture`)."""
     input_key: str = "input"
     """Column holding the prompt: a string, or a list of chat messages `{"role", "content"}`."""
     label_key: str | None = "label"
@@ -67,10 +71,13 @@ class DataSourceConfig:
 
     def __post_init__(self) -> None:
         suffix = Path(self.prompt_data).suffix.lower()
-        if suffix not in _BUILDERS:
+        if is_mixture_file(self.prompt_data):
+            read_mixture(self.prompt_data, tuple(_BUILDERS))  # checked now, read at load
+        elif suffix not in _BUILDERS:
             raise ValueError(
-                f"--prompt-data {self.prompt_data!r} must be a local {', '.join(_BUILDERS)} file, "
-                f"got suffix {suffix or '(none)'!r}; convert the data to JSONL or Parquet"
+                f"--prompt-data {self.prompt_data!r} must be a local {', '.join(_BUILDERS)} file "
+                f"(or a {'/'.join(MIXTURE_SUFFIXES)} mixture of them), got suffix "
+                f"{suffix or '(none)'!r}; convert the data to JSONL or Parquet"
             )
         if not self.input_key:
             raise ValueError("--input-key must name the column holding the prompts, got ''")
@@ -84,6 +91,13 @@ class DataSourceConfig:
             kwargs=self.apply_chat_template_kwargs,
             template_path=self.chat_template_path,
         )
+
+    @property
+    def mixture(self) -> list[MixtureSource] | None:
+        """The sources of a mixture file, None for one prompt file."""
+        if not is_mixture_file(self.prompt_data):
+            return None
+        return read_mixture(self.prompt_data, tuple(_BUILDERS))
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -7,6 +7,7 @@ are computed on the same samples, before sharding.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -20,6 +21,7 @@ from miles.backends.training_utils.batching.rollout_data import (
 )
 from miles.backends.training_utils.batching.sample import Sample, SampleStatus
 from miles.backends.training_utils.batching.train_batches import dp_partitions
+from miles.rollout.mixture import SOURCE_KEY
 
 
 def build_train_data(
@@ -76,6 +78,15 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/samples": float(len(samples)),
         f"{prefix}/response_tokens": float(sum(lengths)),
     }
+    # A mixture's samples name their source (miles.rollout.mixture): each one's own numbers.
+    sources: dict[str, list[Sample]] = {}
+    for sample in samples:
+        if SOURCE_KEY in sample.metadata:
+            sources.setdefault(str(sample.metadata[SOURCE_KEY]), []).append(sample)
+    for name, members in sorted(sources.items()):
+        scored = [float(s.reward) for s in members if s.reward is not None]
+        metrics[f"{prefix}/{name}/reward_mean"] = statistics.fmean(scored) if scored else math.nan
+        metrics[f"{prefix}/{name}/samples"] = float(len(members))
     # Multi-turn samples (tool rollouts, agent sessions) say how many model turns they took.
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
     if turns:
