@@ -59,7 +59,7 @@ def test_each_sample_is_scored_by_the_reward_its_metadata_names():
 
 def test_a_run_whose_rows_name_no_reward_reports_as_before():
     report = score(EXACT, [sample("4", "4"), sample("5", "4")])
-    assert report.rewards == [1.0, 0.0] and report.by_reward == {}
+    assert report.rewards == [1.0, 0.0] and not report.named_own
     assert set(report.metrics()) == {"reward/failures", "reward/failure_rate"}
 
 

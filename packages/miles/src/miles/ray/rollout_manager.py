@@ -61,6 +61,8 @@ class _Prompts:
     tokenizer: Any
     size: int
     """Prompts to train on (of every source of a mixture)."""
+    names_rewards: bool
+    """Some rows (or a mixture's sources) name their own reward: rollouts report by reward."""
     source: RolloutDataSource
     eval_sources: dict[str, tuple[PromptDataset, DataSourceConfig]]
 
@@ -107,11 +109,14 @@ class RolloutManager:
         if mixture is None:
             dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
             self.reward_hub.check_rewards(dataset.own_rewards)
+            names_rewards = bool(dataset.own_rewards)
         else:
             dataset = mixture[0][1]
+            names_rewards = any(s.reward or d.own_rewards for s, d in mixture)
         return _Prompts(
             tokenizer=tokenizer,
             size=sum(len(d) for _, d in mixture) if mixture else len(dataset),
+            names_rewards=names_rewards,
             source=RolloutDataSource(
                 dataset,
                 self.config.data,
@@ -323,9 +328,10 @@ class RolloutManager:
         self._reward_metrics["reward/failure_rate"] = self._reward_failures / max(
             1, self._reward_scored
         )
-        for name, tally in report.by_reward.items():  # rows that name their own reward
+        for name, tally in report.by_reward.items():
             self._reward_tallies.setdefault(name, RewardTally()).add(tally)
-        self._reward_metrics.update(reward_tally_metrics(self._reward_tallies))
+        if self._data is not None and self._data.names_rewards:  # rows or sources name theirs
+            self._reward_metrics.update(reward_tally_metrics(self._reward_tallies))
         return report
 
     # -- evaluation --------------------------------------------------------------------------

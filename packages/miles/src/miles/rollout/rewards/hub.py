@@ -79,17 +79,16 @@ class RewardReport:
     failure_messages: list[str] = field(default_factory=list)
     """The first `MAX_FAILURE_MESSAGES` messages, each prefixed with the sample's batch position."""
     by_reward: dict[str, RewardTally] = field(default_factory=dict)
-    """Tallies by reward name (`SampleReward.name`); empty unless a sample named its own."""
+    """Tallies by reward name (`SampleReward.name`)."""
+    named_own: bool = False
+    """Whether a sample named its own reward (`metadata.rm_type`)."""
 
     def metrics(self) -> dict[str, float]:
         """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch), and by
-        reward name (`reward_tally_metrics`)."""
+        reward name (`reward_tally_metrics`) where a sample named its own."""
         rate = self.failures / len(self.rewards) if self.rewards else 0.0
-        return {
-            "reward/failures": float(self.failures),
-            "reward/failure_rate": rate,
-            **reward_tally_metrics(self.by_reward),
-        }
+        tallies = reward_tally_metrics(self.by_reward) if self.named_own else {}
+        return {"reward/failures": float(self.failures), "reward/failure_rate": rate, **tallies}
 
 
 def reward_tally_metrics(tallies: dict[str, RewardTally]) -> dict[str, float]:
@@ -207,15 +206,16 @@ class RewardHub:
         for target, target_outcomes in zip(targets, await asyncio.gather(*calls), strict=True):
             for position, outcome in zip(target, target_outcomes, strict=True):
                 outcomes[position] = outcome
-        own = any(names_own_reward(sample.metadata) for sample in samples)
         names = [r.name if isinstance(r, SampleReward) else "invalid" for r in rewards]
-        return self._apply(samples, outcomes, names if own else None)
+        report = self._apply(samples, outcomes, names)
+        report.named_own = any(names_own_reward(sample.metadata) for sample in samples)
+        return report
 
     def _apply(
-        self, samples: list[Sample], outcomes: list[_Outcome], names: list[str] | None
+        self, samples: list[Sample], outcomes: list[_Outcome], names: list[str]
     ) -> RewardReport:
         """Write rewards onto the samples, the failure score onto failed ones, and report
-        (tallied by reward `names`, where a sample named its own reward)."""
+        (tallied by reward `names`)."""
         report = RewardReport(rewards=[])
         for position, (sample, (reward, error)) in enumerate(zip(samples, outcomes, strict=True)):
             if error is None:
@@ -229,9 +229,8 @@ class RewardHub:
                     report.failure_messages.append(f"sample {position}: {error}")
             sample.reward = sample.raw_reward = reward
             report.rewards.append(reward)
-            if names is not None:
-                tally = report.by_reward.setdefault(names[position], RewardTally())
-                tally.add(RewardTally(1, reward, int(error is not None)))
+            tally = report.by_reward.setdefault(names[position], RewardTally())
+            tally.add(RewardTally(1, reward, int(error is not None)))
         if report.failures:
             logger.warning(
                 "%d of %d samples failed their reward (--rm-type %s) and were given "
