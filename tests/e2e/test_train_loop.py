@@ -30,6 +30,7 @@ from miles.ray.train_group import TrainRankError
 from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
+from miles.utils.run_lock import LOCK_FILE
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import random_lora_adapter, seeded_value_model, tiny_run_assets
 from tools.compare_runs import compare_records
@@ -281,6 +282,38 @@ def kill_when_saved(flags: list[str], ckpt: Path, rollout_id: int) -> int:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=60)
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_runs_on(assets, tmp_path):
+    """Two runs on one --output-dir / --save: the second is refused in one line naming the first
+    (before it writes anything), and the first's records and checkpoints are its own."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    flags = tiny_flags(assets, out, "--num-rollout", "3", "--rollout-num-gpus", "1",
+                       "--actor-num-gpus-per-node", "1", "--save", str(ckpt))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray instance
+    miles = str(Path(sys.executable).parent / "miles")  # the console script a user runs
+    first = subprocess.Popen([miles, "train", *flags], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / LOCK_FILE).exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.05)
+        second = subprocess.run([miles, "train", *flags],
+                                env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        line = f"--output-dir {out} is in use by another run (pid {first.pid} on "
+        assert line in second.stderr and len(second.stderr.strip().splitlines()) == 1
+        assert first.wait(timeout=600) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=60)
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    assert (ckpt / POINTER_FILE).read_text().strip() == "2"
+    assert not (out / LOCK_FILE).exists() and not (ckpt / LOCK_FILE).exists()  # released
+    assert not (out / "failure.log").exists()  # the refused run wrote nothing there
 
 
 def _pointer(ckpt: Path) -> str:

@@ -37,6 +37,7 @@ from miles.utils.console import ConsoleView
 from miles.utils.divergence import DivergenceGuard, vocab_size
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
 from miles.utils.run_dirs import checkpoint_to_resume, claim_output_dir
+from miles.utils.run_lock import RunLock
 from miles.utils.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Run:
         self.rollouts: RolloutSource | None = None
         self._startup_clock: StartupClock | None = None
         self.engine_urls: list[str] = []
+        self._lock: RunLock | None = None  # --output-dir and --save, while the run lives
         self.trainers: RayTrainGroup | None = None
         self.critics: RayTrainGroup | None = None  # a critic on ranks of its own
         self.tracker: Tracker | None = None
@@ -106,7 +108,11 @@ class Run:
         """Start everything, overlapping what can overlap: the engine processes load their model
         while the rollout manager reads the prompts and the train ranks build theirs."""
         config, cluster, training = self.config, self.config.cluster, self.config.training
-        # Before Ray starts anything: a wrong --load or a taken --output-dir fails in a second.
+        # Before Ray starts anything: a directory another run holds, a wrong --load or a taken
+        # --output-dir fails in a second.
+        self._lock = RunLock(
+            {"--output-dir": config.logging.output_dir, "--save": config.checkpoint.save}
+        )
         resumed = checkpoint_to_resume(config.checkpoint.load, config.checkpoint.save)
         claim_output_dir(
             config.logging.output_dir,
@@ -368,6 +374,9 @@ class Run:
         if self._sinks is not None:
             self._sinks.abandon()
             self._sinks = None
+        if self._lock is not None:  # last: the directories are the next run's from here
+            self._lock.release()
+            self._lock = None
 
     # -- the steps of the loop ------------------------------------------------------------------
     # Each step returns what it measured; the loop merges them into the rollout's record.
