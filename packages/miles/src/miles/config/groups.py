@@ -1,9 +1,9 @@
-"""The setting groups that core owns: cluster, engine, training, checkpoint, eval and logging.
+"""The setting groups that core owns: cluster, engine, training, checkpoint and logging.
 
 Groups owned by a component live next to it (data: `miles.rollout.data_source`, rollout:
-`miles.rollout.rollout_config`, reward: `miles.rollout.rewards`, algorithm: training-utils' `LossConfig`)
-and the backend's group comes from its wheel. Each group checks its own fields; checks across groups
-live in `miles.config.cross_checks`.
+`miles.rollout.rollout_config`, reward: `miles.rollout.rewards`, algorithm: training-utils'
+`LossConfig`, eval: `miles.config.eval_config`) and the backend's group comes from its wheel. Each
+group checks its own fields; checks across groups live in `miles.config.cross_checks`.
 """
 
 from __future__ import annotations
@@ -314,42 +314,6 @@ class CheckpointConfig:
             raise ValueError(
                 f"--save-interval {self.save_interval} has nowhere to write: set --save DIR"
             )
-
-
-@dataclass(kw_only=True)
-class EvalConfig:
-    """Held-out evaluation during training."""
-
-    eval_prompt_data: list[str] | None = None
-    """Evaluation datasets as name/path pairs: `--eval-prompt-data gsm8k data/gsm8k_test.jsonl`."""
-    eval_interval: int | None = None
-    """Evaluate every this many rollouts (and before the first and after the last)."""
-    n_samples_per_eval_prompt: int = 1
-    """Answers sampled per evaluation prompt (pass@k uses them)."""
-    eval_max_response_len: int | None = None
-    """Response length limit at evaluation; default: --rollout-max-response-len."""
-    eval_temperature: float | None = None
-    """Sampling temperature at evaluation; default: --rollout-temperature."""
-
-    def __post_init__(self) -> None:
-        _at_least(self.eval_interval, 1, "--eval-interval")
-        _at_least(self.n_samples_per_eval_prompt, 1, "--n-samples-per-eval-prompt")
-        _at_least(self.eval_max_response_len, 1, "--eval-max-response-len")
-        if self.eval_prompt_data is not None and len(self.eval_prompt_data) % 2:
-            raise ValueError(
-                f"--eval-prompt-data takes name/path pairs, got {self.eval_prompt_data}; e.g. "
-                "--eval-prompt-data gsm8k data/gsm8k_test.jsonl"
-            )
-        if self.eval_interval is not None and not self.eval_prompt_data:
-            raise ValueError(
-                f"--eval-interval {self.eval_interval} has nothing to evaluate: set "
-                "--eval-prompt-data NAME PATH"
-            )
-
-    @property
-    def eval_datasets(self) -> dict[str, str]:
-        pairs = self.eval_prompt_data or []
-        return dict(zip(pairs[::2], pairs[1::2], strict=True))
 
 
 @dataclass(kw_only=True)

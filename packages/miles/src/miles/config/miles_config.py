@@ -3,8 +3,9 @@
 Sources, later wins: dataclass defaults < the YAML file of `--config` < command-line flags (read by
 `loader`). Building it writes the values derived from others (`derivation`: the batch identity of
 architecture.md: "Contracts / Data", the engines' devices, ...), runs the checks across groups
-(`cross_checks`) and resolves the paths (`paths`), in that order; nothing else writes them (but the
-run length from --num-epoch, which waits for the dataset). Nothing here imports Ray.
+(`cross_checks`), resolves the paths (`paths`) and builds the evaluation datasets (`eval_datasets`),
+in that order; nothing else writes them (but the run length from --num-epoch, which waits for the
+dataset). Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
 from miles.config import cross_checks, derivation, paths
+from miles.config.eval_config import EvalConfig
+from miles.config.eval_datasets import build_eval_datasets
 from miles.config.groups import (
     CheckpointConfig,
     ClusterConfig,
     EngineConfig,
-    EvalConfig,
     LoggingConfig,
     TrainingConfig,
 )
@@ -73,6 +75,10 @@ class MilesConfig:
         self._derive()
         self._check_across_groups()
         self._resolve_paths()
+        # Last: each dataset's data settings are a copy of the run's, paths resolved.
+        self.eval.eval_datasets = build_eval_datasets(
+            self.eval, rollout=self.rollout, data=self.data, reward=self.reward
+        )
 
     def _derive(self) -> None:
         """Write the values `derivation` computes (of them, only the batch identity can refuse)."""
@@ -124,6 +130,7 @@ class MilesConfig:
         self.data.prompt_data = paths.absolute(self.data.prompt_data)
         self.data.chat_template_path = paths.absolute(self.data.chat_template_path)
         self.eval.eval_prompt_data = paths.eval_prompt_paths(self.eval.eval_prompt_data)
+        self.eval.eval_config = paths.absolute(self.eval.eval_config)
         logging_.output_dir = paths.absolute(logging_.output_dir)
         self.engine.engine_log_dir = paths.absolute(self.engine.engine_log_dir)
         training.save_debug_rollout_data = paths.absolute(training.save_debug_rollout_data)

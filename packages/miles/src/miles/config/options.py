@@ -146,7 +146,10 @@ def convert(value: Any, annotation: Any, where: str) -> Any:
     """`value` (from YAML or a command-line string) as a value of `annotation`, or a ValueError
     naming `where` (the flag or the YAML key) and what was expected."""
     if _is_optional(annotation):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        # A list flag takes `none` as its only item too: `--eval-prompt-data none` clears a
+        # list that the --config file set.
+        only = value[0] if isinstance(value, list | tuple) and len(value) == 1 else value
+        if only is None or (isinstance(only, str) and only.lower() in ("none", "null")):
             return None
         annotation = strip_optional(annotation)
     choices = literal_choices(annotation)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
+from miles.config.eval_config import EvalConfig
 from miles.config.groups import (
     CheckpointConfig,
     ClusterConfig,
     EngineConfig,
-    EvalConfig,
     LoggingConfig,
     TrainingConfig,
 )

@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 from miles.backends.sglang_utils.client import EngineError
+from miles.config.eval_config import EvalDatasetConfig
 from miles.config.miles_config import MilesConfig
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.placement import Placement
@@ -38,7 +39,7 @@ from miles.rollout.group_loop import group_runner, run_groups
 from miles.rollout.loader import load_rollout
 from miles.rollout.mixture import MixtureSource, source_config
 from miles.rollout.rewards import RewardHub
-from miles.rollout.rewards.config import BUILTIN_RM_TYPES
+from miles.rollout.rewards.config import BUILTIN_RM_TYPES, RewardConfig
 from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
 from miles.rollout.rewards.sample_reward import sample_reward
 from miles.rollout.rollout_config import RolloutConfig
@@ -48,9 +49,13 @@ from miles.utils.tokenizers import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Evaluation samples with the rollout settings' default seed, not --rollout-seed: that is how held-out
-# samples have always been drawn, and a run's evaluations stay comparable across seeds.
-_EVAL_ROLLOUT_SEED = RolloutConfig.__dataclass_fields__["rollout_seed"].default
+
+@dataclasses.dataclass(frozen=True)
+class EvalSource:
+    """One held-out dataset as `load_data` read it: its settings and its prompts."""
+
+    config: EvalDatasetConfig
+    prompts: PromptDataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +69,7 @@ class _Prompts:
     names_rewards: bool
     """Some rows (or a mixture's sources) name their own reward: rollouts report by reward."""
     source: RolloutDataSource
-    eval_sources: dict[str, tuple[PromptDataset, DataSourceConfig]]
+    eval_sources: list[EvalSource]
 
 
 class RolloutManager:
@@ -78,6 +83,11 @@ class RolloutManager:
         self.config = config
         self.dp_size = dp_size
         self.reward_hub = RewardHub(config.reward)
+        # A held-out dataset with its own reward settings (--eval-config) has its own hub.
+        self.eval_reward_hubs = {
+            d.name: self.reward_hub if d.reward == config.reward else RewardHub(d.reward)
+            for d in config.eval.eval_datasets
+        }
         # The built-in rollout is this flag's default: it is loaded and called like a custom one.
         self.rollout = load_rollout(config.rollout, run_config=config)
         self.engines = EngineFleet(config, placement)
@@ -107,7 +117,8 @@ class RolloutManager:
         tokenizer = load_tokenizer(self.config.checkpoint.hf_checkpoint)
         mixture = self._read_mixture(tokenizer)
         if mixture is None:
-            dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks())
+            run_reward = self.config.reward
+            dataset = PromptDataset(self.config.data, tokenizer, **self._row_checks(run_reward))
             self.reward_hub.check_rewards(dataset.own_rewards)
             names_rewards = bool(dataset.own_rewards)
         else:
@@ -134,7 +145,7 @@ class RolloutManager:
             return None
         read = []
         for source in sources:
-            checks = self._row_checks()
+            checks = self._row_checks(self.config.reward)
             if source.reward:
                 run_reward = self.config.reward
                 try:
@@ -157,7 +168,7 @@ class RolloutManager:
         return self._loaded().source
 
     @property
-    def eval_sources(self) -> dict[str, tuple[PromptDataset, DataSourceConfig]]:
+    def eval_sources(self) -> list[EvalSource]:
         return self._loaded().eval_sources
 
     def _loaded(self) -> _Prompts:
@@ -165,29 +176,24 @@ class RolloutManager:
             raise RuntimeError("the rollout manager has no prompts yet: call load_data() first")
         return self._data
 
-    def _eval_sources(self, tokenizer: Any) -> dict[str, tuple[PromptDataset, DataSourceConfig]]:
-        sources = {}
-        for name, path in self.config.eval.eval_datasets.items():
-            data_config = DataSourceConfig(
-                **{
-                    **vars(self.config.data),
-                    "prompt_data": path,
-                    "rollout_shuffle": False,
-                }
-            )
-            dataset = PromptDataset(data_config, tokenizer, **self._row_checks())
-            self.reward_hub.check_rewards(dataset.own_rewards)
-            sources[name] = (dataset, data_config)
+    def _eval_sources(self, tokenizer: Any) -> list[EvalSource]:
+        sources = []
+        for d in self.config.eval.eval_datasets:
+            prompts = PromptDataset(d.data, tokenizer, **self._row_checks(d.reward))
+            self.eval_reward_hubs[d.name].check_rewards(
+                prompts.own_rewards
+            )  # rows naming their own
+            sources.append(EvalSource(d, prompts))
         return sources
 
-    def _row_checks(self) -> dict[str, Any]:
-        """What PromptDataset checks each row against: labels, where the reward reads them,
+    def _row_checks(self, reward: RewardConfig) -> dict[str, Any]:
+        """What PromptDataset checks each row against: labels, where `reward` reads them,
         and the model's context length (from its config.json)."""
         context = hf_config_value(self.config.checkpoint.hf_checkpoint, "max_position_embeddings")
         return {
-            "labels_required": self.config.reward.rm_type in BUILTIN_RM_TYPES,
+            "labels_required": reward.rm_type in BUILTIN_RM_TYPES,
             "context_length": int(context) if context else None,
-            "reward": self.config.reward,
+            "reward": reward,
         }
 
     # -- engines (miles.ray.engine_fleet) ------------------------------------------------------
@@ -336,54 +342,35 @@ class RolloutManager:
 
     # -- evaluation --------------------------------------------------------------------------
 
-    async def eval(self, rollout_id: int) -> dict[str, float]:
-        """Mean reward and pass@k on every --eval-prompt-data dataset (each prompt once).
+    async def eval(self, rollout_id: int, names: list[str] | None = None) -> dict[str, float]:
+        """Mean reward, pass@k and lengths on each held-out dataset (`names`, default: all),
+        each prompt once, with the dataset's own sampling and reward (`EvalDatasetConfig`).
 
         Each held-out sample is made by the rollout's `for_evaluation()` rollout: the run's own
         (a tool rollout's multi-turn exchange with the tools), or for SFT the generating one."""
         self._start_train_data_import()
         metrics: dict[str, float] = {}
         rollout = self.rollout.for_evaluation()
-        for name, (dataset, data_config) in self.eval_sources.items():
+        for eval_source in self.eval_sources:
+            dataset = eval_source.config
+            if names is not None and dataset.name not in names:
+                continue
             # A fresh source per evaluation: every prompt once, in file order.
             source = RolloutDataSource(
-                dataset,
-                data_config,
-                n_samples_per_prompt=self.config.eval.n_samples_per_eval_prompt,
+                eval_source.prompts,
+                dataset.data,
+                n_samples_per_prompt=dataset.n_samples_per_eval_prompt,
             )
-            eval_config = self._eval_rollout_config(len(dataset))
-            ctx = self._context(source, eval_config, data_config, self.reward_hub.score_groups)
+            settings = dataset.rollout_config(self.config.rollout, len(eval_source.prompts))
+            score = self.eval_reward_hubs[dataset.name].score_groups
+            ctx = self._context(source, settings, dataset.data, score)
             try:
                 output = await run_groups(ctx, rollout.generate_group, rollout_id=rollout_id)
             except EngineError as err:
                 raise self.engines.explain(err) from err
             train_data = await self._train_data_module()
-            metrics.update(train_data.eval_metrics(output.groups, name))
+            metrics.update(train_data.eval_metrics(output.groups, dataset.name, dataset.pass_at_k))
         return metrics
-
-    def _eval_rollout_config(self, num_prompts: int) -> RolloutConfig:
-        """The run's rollout settings for one evaluation set: every prompt once, the --eval-*
-        sampling, no filter, no partial rollout, no routing kept; the multi-turn settings
-        (tools, agent, turns) stay the run's."""
-        rollout, eval_ = self.config.rollout, self.config.eval
-        return dataclasses.replace(
-            rollout,
-            rollout_batch_size=num_prompts,
-            n_samples_per_prompt=eval_.n_samples_per_eval_prompt,
-            over_sampling_batch_size=None,
-            rollout_max_response_len=eval_.eval_max_response_len
-            or rollout.rollout_max_response_len,
-            rollout_temperature=(
-                eval_.eval_temperature
-                if eval_.eval_temperature is not None
-                else rollout.rollout_temperature
-            ),
-            dynamic_sampling_filter_path=None,
-            partial_rollout=False,
-            return_routed_experts=False,
-            mask_offpolicy_in_partial_rollout=False,
-            rollout_seed=_EVAL_ROLLOUT_SEED,
-        )
 
     # -- observability (miles.ray.observer) ---------------------------------------------------
 
@@ -458,7 +445,9 @@ class RolloutManager:
         try:
             await self.engines.dispose()
         finally:
-            await self.reward_hub.aclose()
+            hubs = {id(hub): hub for hub in (self.reward_hub, *self.eval_reward_hubs.values())}
+            for hub in hubs.values():
+                await hub.aclose()
 
     # -- fully-async generation (miles.rollout.fully_async) ---------------------------------
 

@@ -577,18 +577,24 @@ class Run:
             self.console.record(0, metrics)
 
     def maybe_eval(self, rollout_id: int) -> dict[str, float]:
-        """Evaluate every --eval-interval rollouts and after the last."""
-        interval, done = self.config.eval.eval_interval, rollout_id + 1
-        due = done == self.num_rollout or bool(interval and done % interval == 0)
-        return self._evaluate(rollout_id) if due and self._can_evaluate() else {}
+        """Evaluate each dataset due after this rollout: every --eval-interval rollouts (or the
+        dataset's own interval, from --eval-config) and after the last."""
+        due = [
+            d.name
+            for d in self.config.eval.eval_datasets
+            if d.due_after(rollout_id, self.num_rollout)
+        ]
+        return self._evaluate(rollout_id, due) if due and self._can_evaluate() else {}
 
     def _can_evaluate(self) -> bool:
         return bool(self.config.eval.eval_datasets) and bool(self.engine_urls)
 
-    def _evaluate(self, rollout_id: int) -> dict[str, float]:
+    def _evaluate(self, rollout_id: int, names: list[str] | None = None) -> dict[str, float]:
+        """Evaluate the datasets `names` (default: all); `eval/reward_mean` averages the mean
+        rewards of the datasets evaluated."""
         self._phase("eval", rollout_id)
         start = time.perf_counter()
-        metrics = self._await_manager(self.rollout_manager.eval.remote(rollout_id))
+        metrics = self._await_manager(self.rollout_manager.eval.remote(rollout_id, names))
         metrics["time/eval_s"] = time.perf_counter() - start
         rewards = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if rewards:

@@ -113,15 +113,18 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - failure
 
 
-def eval_metrics(groups: list[list[Sample]], name: str) -> dict[str, float]:
-    """Mean reward and pass@k (k = 1 and the group size) of one evaluation dataset.
+def eval_metrics(
+    groups: list[list[Sample]], name: str, ks: tuple[int, ...] | None = None
+) -> dict[str, float]:
+    """Mean reward, lengths and pass@k of one evaluation dataset, for each k of `ks` (default: 1
+    and the group size).
 
     A sample counts as correct when its reward is at least 1 (the rule-based rewards score a right
     answer 1); partial credit (F1) counts in the mean reward only.
     """
     metrics = rollout_metrics(groups, prefix=f"eval/{name}")
     n = len(groups[0]) if groups else 0
-    for k in sorted({1, n} - {0}):
+    for k in sorted({1, n} - {0}) if ks is None else ks:
         values = [pass_at_k(len(g), sum((s.reward or 0.0) >= 1.0 for s in g), k) for g in groups]
         metrics[f"eval/{name}/pass@{k}"] = statistics.fmean(values)
     return metrics

@@ -199,7 +199,9 @@ def _faults(facts: RunFacts) -> str:
 def _evaluation(facts: RunFacts) -> str:
     columns, rows = facts.evaluations()
     if not rows:
-        return _empty("no held-out evaluation: run with --eval-prompt-data NAME PATH")
+        return _empty(
+            "no held-out evaluation: run with --eval-prompt-data NAME PATH or --eval-config FILE"
+        )
     header = ("rollout", *(c.removeprefix("eval/") for c in columns))
     return _table(header, [(r["rollout_id"], *(r.get(c, "") for c in columns)) for r in rows])
 
