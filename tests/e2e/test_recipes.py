@@ -1,7 +1,9 @@
-"""Multi-task recipes end to end (real Ray, FSDP on gloo, the reference engine): a run on a
-two-source mixture (the max task scored by exact match, and a generated word task whose rows
-name their own reward) reports every per-source and per-reward metric, draws its sources by
-weight, and a resumed mixture run draws exactly what the uninterrupted one drew."""
+"""Multi-task recipes end to end (real Ray, FSDP on gloo, the reference engine), in one run: it
+trains on a two-source mixture (the max task scored by exact match, and a generated word task
+whose rows name their own reward) and evaluates on three datasets through --eval-config, each
+with its own n, temperature, length and reward (exact match, F1, a custom function), one on its
+own interval. Every per-source, per-reward and per-dataset metric is reported, the sources are
+drawn by weight, and a resumed run draws exactly what the uninterrupted one drew."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 from miles.config import load_config
 from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
+from tests.e2e.eval_rewards import MARK
 from tools.compare_runs import compare_records
 
 pytestmark = pytest.mark.timeout(900)
@@ -27,6 +31,18 @@ FLAGS = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--rollout-
          "3", "--rm-type", "exact_match", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
          "1", "--rollout-concurrency", "1", "--console", "plain", "--lr", "1e-3",
          "--rollout-router", "builtin", "--num-rollout", "3", "--save-interval", "1"]  # fmt: skip
+
+
+EVAL_PROMPTS = 4
+# name -> the held-out dataset's settings; the run's own are n 1 and 3 tokens (FLAGS).
+DATASETS = {
+    "exact": {"rm_type": "exact_match", "n_samples_per_eval_prompt": 4, "temperature": 1.0,
+              "max_response_len": 2, "pass_at_k": [1, 2, 4]},
+    "overlap": {"rm_type": "f1", "n_samples_per_eval_prompt": 1, "temperature": 0.0,
+                "max_response_len": 5, "eval_interval": 1},
+    "marked": {"custom_rm_path": "tests.e2e.eval_rewards:marked", "n_samples_per_eval_prompt": 2,
+               "temperature": 0.7, "max_response_len": 4},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +57,11 @@ def mixture_run(tmp_path_factory) -> tuple[Path, Path, Path, list[dict]]:
     rows += [{"question": f"repeat {w}:", "answer": w, "meta": {"rm_type": "exact_match"}}
              for w in words]  # fmt: skip
     (root / "words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    heldout = root / "heldout.jsonl"
+    heldout.write_text("".join(max_task.read_text().splitlines(keepends=True)[:EVAL_PROMPTS]))
+    entries = [{"name": name, "path": str(heldout), **settings}
+               for name, settings in DATASETS.items()]  # fmt: skip
+    (root / "eval.yaml").write_text(yaml.safe_dump({"eval": {"datasets": entries}}))
     mixture = root / "mixture.yaml"
     mixture.write_text(
         "sources:\n"
@@ -56,15 +77,16 @@ def mixture_run(tmp_path_factory) -> tuple[Path, Path, Path, list[dict]]:
 
 def run(checkpoint: Path, mixture: Path, out: Path, *flags: str) -> list[dict]:
     train(load_config(["--hf-checkpoint", str(checkpoint), "--prompt-data", str(mixture),
+                       "--eval-config", str(mixture.parent / "eval.yaml"),
                        "--output-dir", str(out), *FLAGS, *flags]))  # fmt: skip
     return read_metrics(out / "metrics.jsonl")
 
 
 def test_a_mixture_run_reports_each_source_and_each_reward(mixture_run):
     *_, records = mixture_run
-    assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    assert [r["rollout_id"] for r in records] == [-1, 0, 1, 2]
     draws = {"max": 0.0, "words": 0.0}
-    for record in records:
+    for record in records[1:]:
         for source in draws:
             draws[source] += record.get(f"rollout/{source}/samples", 0.0)
             if f"rollout/{source}/samples" in record:
@@ -88,6 +110,57 @@ def test_a_resumed_mixture_run_draws_what_the_uninterrupted_one_drew(mixture_run
     shutil.copytree(root / "run", tmp_path / "run")
     (saved / POINTER_FILE).write_text("1")  # as if it crashed while saving rollout 2
     resumed = run(model, mixture, tmp_path / "run", "--save", str(saved))
-    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]
-    # Every non-timing value of the rerun rollout, per source and reward included, to the bit.
-    assert compare_records([records[2]], [resumed[2]], ignore=["^check/"]) == []
+    assert [r["rollout_id"] for r in resumed] == [-1, 0, 1, 2]
+    # Every non-timing value of the rerun rollout, per source, reward and dataset, to the bit.
+    assert compare_records([records[-1]], [resumed[-1]], ignore=["^check/"]) == []
+
+
+def evaluated(records: list[dict], name: str) -> dict[int, dict]:
+    """{rollout id: that record's eval/<name>/* metrics} over the records evaluating `name`."""
+    prefix = f"eval/{name}/"
+    return {
+        r["rollout_id"]: {k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)}
+        for r in records
+        if f"{prefix}reward_mean" in r
+    }
+
+
+def test_each_dataset_is_evaluated_before_training_on_its_interval_and_after_the_last(
+    mixture_run,
+):
+    *_, records = mixture_run
+    assert sorted(evaluated(records, "overlap")) == [-1, 0, 1, 2]  # eval_interval: 1
+    assert sorted(evaluated(records, "exact")) == [-1, 2]  # the run's: no --eval-interval
+    assert sorted(evaluated(records, "marked")) == [-1, 2]
+    assert all("eval/reward_mean" in r and "time/eval_s" in r for r in records)
+
+
+def test_each_dataset_reports_its_metrics_with_its_pass_at_k(mixture_run):
+    *_, records = mixture_run
+    for name, settings in DATASETS.items():
+        ks = settings.get("pass_at_k", sorted({1, settings["n_samples_per_eval_prompt"]}))
+        for rollout_id, metrics in evaluated(records, name).items():
+            expected = {"reward_mean", "response_len_mean", "response_len_max", "samples",
+                        "truncated_ratio", *(f"pass@{k}" for k in ks)}  # fmt: skip
+            assert expected <= set(metrics), (name, rollout_id, sorted(metrics))
+            assert not {k for k in metrics if k.startswith("pass@")} - {f"pass@{k}" for k in ks}
+
+
+def test_each_dataset_is_sampled_with_its_n_and_length(mixture_run):
+    *_, records = mixture_run
+    for name, settings in DATASETS.items():
+        limit = settings["max_response_len"]
+        for metrics in evaluated(records, name).values():
+            assert metrics["samples"] == EVAL_PROMPTS * settings["n_samples_per_eval_prompt"], name
+            assert 1 <= metrics["response_len_max"] <= limit, name
+            if metrics["truncated_ratio"] > 0:  # a truncated answer is exactly the limit long
+                assert metrics["response_len_max"] == limit, name
+
+
+def test_the_custom_reward_scores_its_dataset_and_no_other(mixture_run):
+    *_, records = mixture_run
+    for metrics in evaluated(records, "marked").values():
+        assert metrics["reward_mean"] == MARK and metrics["pass@1"] == 0.0
+    for name in ("exact", "overlap"):
+        for metrics in evaluated(records, name).values():
+            assert 0.0 <= metrics["reward_mean"] <= 1.0, name
