@@ -73,6 +73,9 @@ class SessionError(Exception):
         super().__init__(message)
         self.status, self.code = status, code
 
+    def __reduce__(self) -> tuple:  # rebuilt from its arguments across Ray's boundaries
+        return type(self), (self.status, self.args[0], self.code), self.__dict__
+
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": None, "code": self.code}}

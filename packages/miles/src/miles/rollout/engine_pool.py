@@ -42,6 +42,9 @@ class EngineLostError(RuntimeError):
         self.reason = reason
         super().__init__(f"engine {url} left service: {reason}")
 
+    def __reduce__(self) -> tuple:  # rebuilt from its arguments across Ray's boundaries
+        return type(self), (self.url, self.reason), self.__dict__
+
 
 class EngineUnavailableError(RuntimeError):
     """No engine can serve: every one is out of service past the bound, or recovery gave up."""

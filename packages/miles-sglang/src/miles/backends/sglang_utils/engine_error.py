@@ -42,9 +42,15 @@ class EngineError(RuntimeError):
         self.server_message = message
         self.body = body
         """The raw answer, when there was one."""
+        self.hint = hint
         what = f"HTTP {status}" if status is not None else "no HTTP answer"
         text = f"{endpoint} at {url} failed ({what}): {message}"
         super().__init__(f"{text}; {hint}" if hint else text)
+
+    def __reduce__(self) -> tuple:
+        # It crosses Ray's process boundaries: rebuilt from its own arguments, not the message.
+        args = (self.url, self.endpoint, self.status, self.server_message, self.hint, self.body)
+        return type(self), args, self.__dict__
 
     @classmethod
     def from_response(cls, url: str, endpoint: str, response: HttpAnswer) -> EngineError:

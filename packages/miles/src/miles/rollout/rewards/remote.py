@@ -39,9 +39,14 @@ class RemoteRewardError(RuntimeError):
         self.url = url
         self.status = status
         self.server_message = message
+        self.attempts = attempts
         what = f"HTTP {status}" if status is not None else "no HTTP answer"
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         super().__init__(f"reward server {url} failed ({what}){tries}: {message}")
+
+    def __reduce__(self) -> tuple:  # rebuilt from its arguments across Ray's boundaries
+        args = (self.url, self.status, self.server_message, self.attempts)
+        return type(self), args, self.__dict__
 
 
 def sample_payload(sample: Sample) -> dict[str, Any]:
