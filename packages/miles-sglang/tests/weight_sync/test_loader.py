@@ -90,9 +90,22 @@ def test_shape_mismatch_changes_nothing_and_shows_both_shapes(engine, trainer):
 
 
 def test_every_problem_is_reported_at_once(engine):
-    with pytest.raises(WeightUpdateError, match=r"^7 of 7 tensors") as info:
+    with pytest.raises(
+        WeightUpdateError, match=r"^7 of the 7 tensors sent cannot be loaded, so"
+    ) as info:
         load_named_tensors(engine, [(f"nope.{i}", torch.zeros(1)) for i in range(7)])
     assert "and 2 more" in str(info.value)
+
+
+def test_a_whole_checkpoint_counts_what_was_refused_and_what_was_not_sent_apart(engine, trainer):
+    sent = [*list(trainer.state_dict().items())[:2], ("nope", torch.zeros(1))]
+    missing = len(list(engine.named_parameters())) - 2
+    with pytest.raises(WeightUpdateError) as info:
+        load_named_tensors(engine, sent, complete=True)
+    assert str(info.value).startswith(
+        f"1 of the 3 tensors sent cannot be loaded and {missing} of the model's parameters were "
+        "not sent, so nothing was loaded: "
+    )
 
 
 @settings(max_examples=200, deadline=None)

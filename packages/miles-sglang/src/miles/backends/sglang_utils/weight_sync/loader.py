@@ -42,6 +42,8 @@ def load_named_tensors(
     views = expert_views(model.named_parameters())
     targets.update({name: view for name, (view, _) in views.items()})
     problems = [p for name, tensor in named_tensors if (p := _check(name, tensor, targets))]
+    refused = len(problems)  # of the tensors sent; missing parameters are counted apart
+    missing: list[str] = []
     if complete:
         sent = {name for name, _ in named_tensors}
         loaded = {id(targets[name]) for name in sent if name in targets and name not in views}
@@ -50,18 +52,21 @@ def load_named_tensors(
         for part, (_, fused) in views.items():
             parts.setdefault(fused, set()).add(part)
         whole = {fused for fused, names in parts.items() if names <= sent}
-        problems += [
+        missing = [
             f"parameter {name!r} is missing"
             for name, parameter in model.named_parameters()
             if id(parameter) not in loaded and name not in whole
         ]
-    if problems:
+    if problems or missing:
+        counts = []
+        if refused:
+            counts.append(f"{refused} of the {len(named_tensors)} tensors sent cannot be loaded")
+        if missing:
+            counts.append(f"{len(missing)} of the model's parameters were not sent")
+        problems += missing
         listed = "; ".join(problems[:_MAX_LISTED])
         more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise WeightUpdateError(
-            f"{len(problems)} of {len(named_tensors)} tensors cannot be loaded, so none was: "
-            f"{listed}{more}"
-        )
+        raise WeightUpdateError(f"{' and '.join(counts)}, so nothing was loaded: {listed}{more}")
     with torch.no_grad():
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
