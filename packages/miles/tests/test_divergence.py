@@ -49,13 +49,14 @@ def test_a_run_that_never_had_a_finite_step_says_so():
 @pytest.mark.parametrize(
     ("metrics", "signal"),
     [
-        ({"train/entropy": 0.995 * math.log(259)}, "entropy at ln(V) = 5.557"),
+        ({"train/entropy": 0.995 * math.log(259)}, "entropy back at ln(V) = 5.557"),
         ({"train/grad_norm": 0.0}, "gradient norm exactly 0"),
         ({"rollout/reward_min": 0.0, "rollout/reward_max": 0.0}, "every reward at the lowest"),
     ],
 )
 def test_a_collapse_signal_warns_once_when_it_held_for_the_window(metrics, signal, caplog):
     guard = DivergenceGuard(max_consecutive_nonfinite_steps=3, collapse_window=3, vocab_size=259)
+    guard.check(-1, {"train/entropy": 1.0})  # a policy that had learned something
     with caplog.at_level(logging.WARNING, logger="miles.utils.divergence"):
         for rollout_id in range(2):
             guard.check(rollout_id, metrics)
@@ -65,6 +66,21 @@ def test_a_collapse_signal_warns_once_when_it_held_for_the_window(metrics, signa
     (record,) = caplog.records  # once per streak, not every rollout after it
     assert signal in record.message and "through rollout 2" in record.message
     assert "--abort-on-collapse" in record.message
+
+
+def test_a_random_model_starting_at_uniform_entropy_is_no_collapse(caplog):
+    """An untrained model's entropy starts at ln(V): only a return to it after leaving it is."""
+    guard = DivergenceGuard(max_consecutive_nonfinite_steps=3, collapse_window=2, vocab_size=259)
+    uniform = {"train/entropy": 0.999 * math.log(259), "train/grad_norm": 0.5}
+    with caplog.at_level(logging.WARNING, logger="miles.utils.divergence"):
+        for rollout_id in range(4):
+            guard.check(rollout_id, uniform)
+        assert not caplog.records
+        guard.check(4, {"train/entropy": 2.0, "train/grad_norm": 0.5})
+        for rollout_id in range(5, 7):
+            guard.check(rollout_id, uniform)
+    (record,) = caplog.records
+    assert "entropy back at ln(V)" in record.message and "through rollout 6" in record.message
 
 
 def test_a_healthy_rollout_resets_the_streak_and_abort_on_collapse_stops():

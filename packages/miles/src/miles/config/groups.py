@@ -201,7 +201,7 @@ class TrainingConfig:
     """Stop the run after this many optimizer steps in a row with a non-finite gradient norm
     (each is skipped, leaving weights and optimizer state as they were)."""
     collapse_window: int = 5
-    """Warn when the policy looks collapsed (entropy near ln(vocabulary), gradient norm exactly 0,
+    """Warn when the policy looks collapsed (entropy back near ln(vocabulary), gradient norm exactly 0,
     or every reward at the lowest seen) for this many rollouts in a row."""
     abort_on_collapse: bool = False
     """Stop the run on collapse instead of warning."""

@@ -6,9 +6,10 @@
   row (`--max-consecutive-nonfinite-steps`) mean the run cannot go on, so it stops, naming the
   rollouts and the last finite step's metrics.
 - **Collapse**: the run goes on, but nothing is learned. One of these holds for
-  `--collapse-window` rollouts in a row: the policy's entropy is near ln(vocabulary) (uniform
-  output), every gradient norm is exactly 0, or every reward equals the lowest seen so far. It is
-  logged as a warning, or stops the run with `--abort-on-collapse`.
+  `--collapse-window` rollouts in a row: the policy's entropy is back near ln(vocabulary)
+  (uniform output) after it was below it in this run (a randomly initialised model starts
+  there: that is no collapse), every gradient norm is exactly 0, or every reward equals the
+  lowest seen so far. It is logged as a warning, or stops the run with `--abort-on-collapse`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class DivergenceGuard:
     _skipped: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _last_finite: tuple[int, dict[str, float]] | None = None
     _lowest_reward: float = math.inf
+    _left_uniform: bool = False  # the policy's entropy was below ln(V)'s threshold in this run
     _streaks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record_steps(self, rollout_id: int, steps: Sequence[Mapping[str, float]]) -> int:
@@ -83,8 +85,10 @@ class DivergenceGuard:
         entropy = metrics.get("train/entropy")
         if self.vocab_size and entropy is not None:
             uniform = math.log(self.vocab_size)
-            signals[f"entropy at ln(V) = {uniform:.3f} (uniform output)"] = (
-                entropy >= _UNIFORM_ENTROPY_FRACTION * uniform
+            at_uniform = entropy >= _UNIFORM_ENTROPY_FRACTION * uniform
+            self._left_uniform = self._left_uniform or not at_uniform
+            signals[f"entropy back at ln(V) = {uniform:.3f} (uniform output)"] = (
+                at_uniform and self._left_uniform
             )
         grad_norm = metrics.get("train/grad_norm")
         if grad_norm is not None:
