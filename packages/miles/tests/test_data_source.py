@@ -499,3 +499,20 @@ def test_add_samples_refuses_things_that_are_not_groups_of_samples(sized_dataset
         source.add_samples([[]])
     with pytest.raises(TypeError, match="non-empty list of Sample"):
         source.add_samples([Sample()])  # a flat list of samples, not groups
+
+
+def test_every_bad_row_is_reported_at_once_up_to_twenty(tmp_path, tokenizer):
+    rows = [{"input": "fine", "label": "1"}]
+    rows += [{"input": "", "label": "1"}] * 3  # empty prompts
+    rows += [{"input": "no label"}] * 2  # the reward reads the label
+    rows += [{"input": "x", "label": "1", "metadata": "not a dict"}] * 20
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError) as info:
+        load(path, tokenizer, labels_required=True)
+    message = str(info.value)
+    assert message.startswith(f"--prompt-data {path}: 25 rows cannot be used (the first 20)")
+    lines = message.splitlines()[1:]
+    assert len(lines) == 20
+    assert lines[0].strip().startswith(f"--prompt-data {path}:2: renders to an empty prompt")
+    assert lines[3].strip().startswith(f"--prompt-data {path}:5: no label")
+    assert "must hold a dict" in lines[5]

@@ -167,12 +167,17 @@ class PromptDataset:
             else table[_require_column(config.tool_key, "--tool-key", config, columns)]
         )
 
+        # Every bad row is found in one pass: a file is fixed in one go, not a row per run.
+        bad = _BadRows(config.prompt_data)
         template = config.chat_template if config.apply_chat_template else None
-        chats = [_messages(where[row], value, config) for row, value in enumerate(inputs)]
+        chats = [bad.attempt(row, _messages, where[row], v, config) for row, v in enumerate(inputs)]
         prompts = [
-            _render(where[row], value, chat, tokenizer, template)
-            for row, (value, chat) in enumerate(zip(inputs, chats, strict=True))
+            ""
+            if row in bad
+            else bad.attempt(row, _render, where[row], v, chat, tokenizer, template)
+            for row, (v, chat) in enumerate(zip(inputs, chats, strict=True))
         ]
+        prompts = [p or "" for p in prompts]
         # A chat template writes its own special tokens (BOS included, where the model has one);
         # plain text gets the tokenizer's usual ones, as an engine given the text would add.
         ids = tokenizer(prompts, add_special_tokens=not config.apply_chat_template)["input_ids"]
@@ -183,45 +188,68 @@ class PromptDataset:
         limits = _length_limits(config.rollout_max_prompt_len, context_length)
         self.dropped_by = dict.fromkeys(limits, 0)
         for row, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
-            if not prompt_ids:
-                raise ValueError(
-                    f"{where[row]}: renders to an empty prompt (column {config.input_key!r}); "
-                    "remove the row or fill it in"
-                )
-            row_metadata = _metadata_dict(where[row], metadata[row], config)
-            needs_label = labels_required
-            if reward is not None:
-                own = check_row_reward(where[row], row_metadata, reward)
-                needs_label = own.reads_label
-                if own != SampleReward.of_config(reward):
-                    self.own_rewards.setdefault(own, where[row])
-            if needs_label and labels[row] is None:
-                raise ValueError(
-                    f"{where[row]}: no label (column {config.label_key!r}), and the reward "
-                    "compares answers with it; fill it in or remove the row"
-                )
-            reason = next((r for r, limit in limits.items() if len(prompt_ids) > limit), None)
-            if reason is not None:
-                if config.strict_data:
-                    raise ValueError(
-                        f"{where[row]}: the prompt has {len(prompt_ids)} tokens, over {reason} "
-                        f"({limits[reason]}); shorten or remove the row, or drop --strict-data "
-                        "to skip such rows"
-                    )
-                self.dropped_by[reason] += 1
+            if row in bad:
                 continue
-            self._records.append(
-                PromptRecord(
-                    prompt=prompt,
-                    prompt_ids=list(prompt_ids),
-                    label=_label_text(labels[row]),
-                    metadata=row_metadata,
-                    messages=chats[row],
-                    tools=_tool_names(where[row], tools[row], config),
-                )
-            )
+            record = bad.attempt(row, self._record, where[row], prompt, prompt_ids, labels[row],
+                                 metadata[row], chats[row], tools[row], limits, labels_required,
+                                 reward)  # fmt: skip
+            if isinstance(record, str):  # dropped by this length limit
+                self.dropped_by[record] += 1
+            elif record is not None:
+                self._records.append(record)
+        bad.raise_if_any()
         self.dropped = len(prompts) - len(self._records)
         self._report_filter(total=len(prompts), lengths=[len(i) for i in ids], limits=limits)
+
+    def _record(
+        self,
+        where: str,
+        prompt: str,
+        prompt_ids: list[int],
+        label: Any,
+        metadata: Any,
+        chat: list[dict[str, Any]] | None,
+        tools: Any,
+        limits: dict[str, int],
+        labels_required: bool,
+        reward: RewardConfig | None,
+    ) -> PromptRecord | str:
+        """Row `where` checked and ready, or the name of the length limit that drops it."""
+        config = self.config
+        if not prompt_ids:
+            raise ValueError(
+                f"{where}: renders to an empty prompt (column {config.input_key!r}); "
+                "remove the row or fill it in"
+            )
+        row_metadata = _metadata_dict(where, metadata, config)
+        needs_label = labels_required
+        if reward is not None:
+            own = check_row_reward(where, row_metadata, reward)
+            needs_label = own.reads_label
+            if own != SampleReward.of_config(reward):
+                self.own_rewards.setdefault(own, where)
+        if needs_label and label is None:
+            raise ValueError(
+                f"{where}: no label (column {config.label_key!r}), and the reward "
+                "compares answers with it; fill it in or remove the row"
+            )
+        reason = next((r for r, limit in limits.items() if len(prompt_ids) > limit), None)
+        if reason is not None:
+            if config.strict_data:
+                raise ValueError(
+                    f"{where}: the prompt has {len(prompt_ids)} tokens, over {reason} "
+                    f"({limits[reason]}); shorten or remove the row, or drop --strict-data "
+                    "to skip such rows"
+                )
+            return reason
+        return PromptRecord(
+            prompt=prompt,
+            prompt_ids=list(prompt_ids),
+            label=_label_text(label),
+            metadata=row_metadata,
+            messages=chat,
+            tools=_tool_names(where, tools, config),
+        )
 
     def _report_filter(self, *, total: int, lengths: list[int], limits: dict[str, int]) -> None:
         for reason, count in self.dropped_by.items():
@@ -253,6 +281,43 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptRecord:
         return self._records[i]
+
+
+MAX_REPORTED_ROWS = 20
+"""How many bad rows one error lists; the count covers all of them."""
+
+
+class _BadRows:
+    """The rows of one file that cannot be used, found in one pass and refused together."""
+
+    def __init__(self, prompt_data: str) -> None:
+        self.prompt_data = prompt_data
+        self.rows: set[int] = set()
+        self.messages: list[str] = []
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.rows
+
+    def attempt(self, row: int, check: Any, *args: Any) -> Any:
+        """`check(*args)`, or None (the row noted bad) where it raises ValueError."""
+        try:
+            return check(*args)
+        except ValueError as err:
+            self.rows.add(row)
+            if len(self.messages) < MAX_REPORTED_ROWS:
+                self.messages.append(str(err))
+            return None
+
+    def raise_if_any(self) -> None:
+        if not self.rows:
+            return
+        if len(self.rows) == 1:
+            raise ValueError(self.messages[0])
+        shown = f" (the first {MAX_REPORTED_ROWS})" if len(self.rows) > MAX_REPORTED_ROWS else ""
+        raise ValueError(
+            f"--prompt-data {self.prompt_data}: {len(self.rows)} rows cannot be used{shown}; fix "
+            "them and run again:\n  " + "\n  ".join(self.messages)
+        )
 
 
 def _read_table(path: Path) -> tuple[datasets.Dataset, list[int] | None]:
