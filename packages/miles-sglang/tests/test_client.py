@@ -59,8 +59,18 @@ def build_app(state: Scripted) -> FastAPI:
         state.auth.append(request.headers.get("authorization"))
         return await call_next(request)
 
+    def trickle(interval: float) -> StreamingResponse:
+        async def chunks():
+            for byte in b'{"text": "' + b"x" * 10_000:
+                await asyncio.sleep(interval)
+                yield bytes([byte])
+
+        return StreamingResponse(chunks(), media_type="application/json")
+
     @app.get("/{endpoint}")
     async def get(endpoint: str):
+        if state.trickle_s is not None and endpoint == "health":
+            return trickle(state.trickle_s)
         return state.next_answer(endpoint) or {"endpoint": endpoint, "weight_version": "3"}
 
     @app.post("/generate")
@@ -77,14 +87,7 @@ def build_app(state: Scripted) -> FastAPI:
         if answer is not None:
             return answer
         if state.trickle_s is not None:  # alive, never silent long enough for a read timeout
-            interval = state.trickle_s
-
-            async def trickle():
-                for byte in b'{"text": "' + b"x" * 10_000:
-                    await asyncio.sleep(interval)
-                    yield bytes([byte])
-
-            return StreamingResponse(trickle(), media_type="application/json")
+            return trickle(state.trickle_s)
         if body.get("stream"):
             chunks = [f'data: {{"text": "{t}"}}\n\n' for t in ("a", "ab", "abc")] + [
                 "data: [DONE]\n\n"
@@ -282,6 +285,17 @@ def test_a_trickling_answer_fails_at_the_calls_deadline(engine):
     with pytest.raises(EngineError, match="no complete answer within 2 s"):
         run(lambda c: c.generate({"input_ids": [1]}), url,
             timeouts=EngineTimeouts(connect_s=0.5, generate_s=1.5))  # fmt: skip
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_health_probe_of_a_trickling_server_ends_at_its_bound(engine):
+    # /health answering one byte every 0.1 s: the probe says no within its 1 s bound.
+    url, state = engine
+    state.trickle_s = 0.1
+    start = time.monotonic()
+    assert run(lambda c: c.health(), url, timeouts=EngineTimeouts(control_s=1.0)) is False
+    ok, why = run(lambda c: c.check_health(0.5), url)
+    assert not ok and "no complete answer within 0.5 s" in why
     assert time.monotonic() - start < 3.0
 
 

@@ -137,14 +137,16 @@ class EngineClient(EngineTransport):
     async def _probe(self, endpoint: str, timeout_s: float | None = None) -> tuple[bool, str]:
         """One GET without retries: a probe reports the state now; callers poll. `timeout_s`
         bounds the whole answer (default: the control calls' bound)."""
-        if timeout_s is not None:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-        else:
-            timeout = self._timeout(self.timeouts.control_s)
+        # The whole answer within the bound: a server that trickles bytes never resets it.
+        bound_s = timeout_s if timeout_s is not None else self.timeouts.control_s
+        timeout = aiohttp.ClientTimeout(total=bound_s, sock_connect=self.timeouts.connect_s)
         try:
             response = await self._send("GET", endpoint, None, timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:  # `total` runs out as a TimeoutError
-            return False, f"{type(exc).__name__}: {exc}"
+            why = (
+                f"no complete answer within {bound_s:g} s" if isinstance(exc, TimeoutError) else exc
+            )
+            return False, f"{type(exc).__name__}: {why}"
         if response.is_success:
             return True, f"HTTP {response.status_code}"
         return False, f"HTTP {response.status_code}: {server_message(response)}"
