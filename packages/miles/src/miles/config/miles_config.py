@@ -18,7 +18,7 @@ from miles.backends.training_utils.algorithms.algorithm import Algorithm
 from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
-from miles.config import cross_checks, derivation, paths
+from miles.config import cross_checks, derivation, external_engines, paths
 from miles.config.groups import (
     CheckpointConfig,
     ClusterConfig,
@@ -95,6 +95,9 @@ class MilesConfig:
             self.cluster, self.training, self.rollout, self.checkpoint
         )  # fmt: skip
         cross_checks.check_placement(cluster, self.distillation, self.critic)
+        external_engines.check_settings(
+            cluster, self.engine, training, rollout, self.distillation, self.backend
+        )
         made = cross_checks.load_run_rollout(rollout)
         cross_checks.check_rollout(made, rollout, self.data)
         cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)
