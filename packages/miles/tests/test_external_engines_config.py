@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from miles.config import load_config
-from miles.config.external_engines import engine_url
+from miles.config.engine_addresses import engine_url
 from miles.config.placement_plan import plan_for_cluster, plan_placement
 
 BASE = ["--hf-checkpoint", "ckpt", "--prompt-data", "train.jsonl", "--rollout-batch-size", "4"]

@@ -1,26 +1,26 @@
-"""External rollout engines in the configuration: their addresses, and what a run refuses with them.
+"""External rollout engines in the configuration: the settings of other groups a run refuses with them.
 
 A run given --rollout-external-engine-addrs launches no engine (architecture.md: "Fault tolerance",
 docs/guides/recipes.md: "External engines"). Every setting that shapes an engine's launch, its
 devices or its restart would then be silently ignored, and colocation (putting engines to sleep to
 share their devices) is not the run's to do to a server it does not own: each is refused here,
-before anything starts, naming the flag, its value and the fix. Nothing here imports Ray.
+before anything starts, naming the flag, its value and the fix. The addresses and the cluster
+settings are checked where `ClusterConfig` is built (`miles.config.engine_addresses`); these run
+with the checks across groups. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+
+from miles.config.engine_addresses import FLAG
 
 if TYPE_CHECKING:
     from miles.backends.training_utils.algorithms.distillation import DistillationConfig
     from miles.config.groups import ClusterConfig, EngineConfig, TrainingConfig
     from miles.config.trainer_args import TrainerArgs
     from miles.rollout.rollout_config import RolloutConfig
-
-FLAG = "--rollout-external-engine-addrs"
 
 # EngineConfig fields that only configure engines the run launches (or restarts).
 _LAUNCH_SETTINGS = {
@@ -31,64 +31,6 @@ _LAUNCH_SETTINGS = {
     "sglang_server_args": "--sglang-server-args (or --sglang-<flag>)",
     "max_engine_restarts": "--max-engine-restarts",
 }
-
-
-def engine_url(addr: str) -> str:
-    """The base URL of the engine at `addr` (`host:port`, or `http://host:port`); a ValueError
-    naming the address otherwise."""
-    text = addr.strip()
-    parsed = urlsplit(text if "://" in text else f"http://{text}")
-    example = "e.g. 127.0.0.1:30000 or http://engine-host:30000"
-    try:
-        port = parsed.port
-    except ValueError:  # a port that is not a number, or out of range
-        port = None
-    if (
-        parsed.scheme not in ("http", "https")
-        or not parsed.hostname
-        or port is None
-        or (parsed.path not in ("", "/") or parsed.query or parsed.fragment)
-    ):
-        raise ValueError(f"{FLAG}: {addr!r} is not an engine address host:port ({example})")
-    host = parsed.hostname
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass  # a host name
-    return f"{parsed.scheme}://{host}:{port}"
-
-
-def check_cluster(cluster: ClusterConfig) -> None:
-    """The cluster settings a run with external engines cannot honour (`ClusterConfig` calls
-    this when it is built, with its own addresses parsed)."""
-    addrs = cluster.rollout_external_engine_addrs
-    if not addrs:
-        return
-    given = f"{FLAG} ({' '.join(addrs)})"
-    urls = [engine_url(addr) for addr in addrs]
-    repeated = sorted({url for url in urls if urls.count(url) > 1})
-    if repeated:
-        raise ValueError(f"{given} names {', '.join(repeated)} more than once; name each engine "
-                         "once")  # fmt: skip
-    if cluster.colocate:
-        raise ValueError(
-            f"{given} with --colocate: colocated engines sleep while the trainer uses their "
-            "devices, and a run must not put servers it did not launch to sleep; drop --colocate "
-            f"(or drop {FLAG} and let the run launch colocated engines)"
-        )
-    refused = (
-        ("--rollout-num-gpus", cluster.rollout_num_gpus, None,
-         "the run reserves no devices for engines it did not launch"),
-        ("--rollout-num-gpus-per-engine", cluster.rollout_num_gpus_per_engine, 1,
-         "external engines have their own tensor-parallel size"),
-        ("--rollout-engine", cluster.rollout_engine, "auto",
-         "external engines are whatever serves at their addresses"),
-    )  # fmt: skip
-    for flag, value, default, why in refused:
-        if value != default:
-            raise ValueError(f"{flag} ({value}) with {given}: {why}, so it would be ignored; "
-                             f"drop {flag}")  # fmt: skip
 
 
 def check_settings(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.config import external_engines
+from miles.config import engine_addresses
 
 
 def _at_least(value: int | float | None, minimum: int | float, flag: str) -> None:
@@ -57,12 +57,18 @@ class ClusterConfig:
         _at_least(self.actor_num_gpus_per_node, 1, "--actor-num-gpus-per-node")
         _at_least(self.rollout_num_gpus, 1, "--rollout-num-gpus")
         _at_least(self.rollout_num_gpus_per_engine, 1, "--rollout-num-gpus-per-engine")
-        external_engines.check_cluster(self)
+        engine_addresses.check_cluster(
+            self.rollout_external_engine_addrs,
+            colocate=self.colocate,
+            rollout_num_gpus=self.rollout_num_gpus,
+            rollout_num_gpus_per_engine=self.rollout_num_gpus_per_engine,
+            rollout_engine=self.rollout_engine,
+        )
 
     @property
     def external_engine_urls(self) -> list[str]:
         """The base URLs of --rollout-external-engine-addrs (none: the run launches its own)."""
-        return [external_engines.engine_url(a) for a in self.rollout_external_engine_addrs or []]
+        return [engine_addresses.engine_url(a) for a in self.rollout_external_engine_addrs or []]
 
     @property
     def actor_world_size(self) -> int:
@@ -90,8 +96,8 @@ class EngineConfig:
     """Write each engine's output to a file here (default: the run's output directory)."""
     use_fault_tolerance: bool | None = None
     """Health-check the engines and restart a dead or hung one: its requests go to the others
-    (a group whole), and it rejoins with the current weights. None: on with more than one
-    engine."""
+    (a group whole), and it rejoins with the current weights; an external engine is left out
+    for good instead. None: on with more than one engine."""
     max_engine_restarts: int = 3
     """Restarts allowed per engine before the run stops (with fault tolerance)."""
     rollout_health_check_interval_s: float = 5.0
