@@ -1,7 +1,8 @@
 """Engine fault tolerance below the run: the supervisor finds a hung engine within its bound,
 restarts it and admits it once it has the weights, and gives up past --max-engine-restarts naming
 the engine and its log; without fault tolerance a hung engine fails its request within the
-request bound. (The pool's and the rollout's part: test_engine_pool, test_generate_rollout.)
+request bound. An external engine (no restart: the run did not launch it) stays lost, and the
+rollout goes on with the others until none is left. (The pool's and the rollout's part: test_engine_pool, test_generate_rollout.)
 
 The live engine is a real reference engine (the shared fixture); a hung engine is a real socket
 that accepts connections and never answers, and a restarted one a real HTTP server on its port.
@@ -202,3 +203,47 @@ def test_an_engine_failure_names_the_engine_and_quotes_the_end_of_its_log(
     assert lines[0].startswith("engine 0 at http://10.0.0.1:30000 failed: /generate at ")
     assert lines[1] == f"the end of its log ({log}):"
     assert lines[-1] == "  CUDA error: device lost" and len(lines) == 2 + 20
+
+
+def test_a_lost_external_engine_stays_lost_and_the_others_serve(engine_url, hung):
+    async def run():
+        async with EnginePool([engine_url, hung.url], fault_tolerant=True) as pool:
+            supervisor = _supervisor(pool, restart=None)
+            supervisor.start()
+            started = time.monotonic()
+            while not supervisor.lost_for_good():
+                assert time.monotonic() - started < 10, supervisor.states
+                await asyncio.sleep(0.05)
+            awaiting = await supervisor.wait_restarted(timeout_s=1)  # nothing restarts
+            answer = await pool.generate(long_request(3))
+            metrics = supervisor.metrics()
+            await supervisor.stop()
+            return supervisor.states, awaiting, pool.serving(), answer, metrics
+
+    states, awaiting, serving, answer, metrics = asyncio.run(run())
+    assert states == {engine_url: EngineState.SERVING, hung.url: EngineState.LOST}
+    assert awaiting == [] and serving == [engine_url]
+    assert len(answer["output_ids"]) == 3
+    assert metrics["engine/lost_for_good"] == 1 and metrics["engine/restarts"] == 0
+    assert metrics["engine/serving"] == 1
+
+
+def test_when_every_external_engine_is_lost_the_rollout_stops_saying_so(hung):
+    async def run():
+        async with EnginePool([hung.url], fault_tolerant=True, timeout_s=30) as pool:
+            supervisor = _supervisor(pool, restart=None)
+            supervisor.start()
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailableError) as caught:
+                while True:  # as a rollout does: a lost request is sent again
+                    try:
+                        await pool.generate(long_request(3))
+                    except EngineLostError:
+                        continue
+            await supervisor.stop()
+            return str(caught.value), time.monotonic() - started
+
+    message, elapsed_s = asyncio.run(run())
+    assert message.startswith(f"every external engine is lost (the last, {hung.url}: ")
+    assert "cannot restart engines it did not launch" in message
+    assert elapsed_s < 5.0

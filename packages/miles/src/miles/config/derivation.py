@@ -53,8 +53,11 @@ def batch_identity(rollout: RolloutConfig, training: TrainingConfig) -> tuple[in
     return gbs, steps
 
 
-def rollout_num_gpus(cluster: ClusterConfig) -> int:
-    """--rollout-num-gpus; default: the train devices with --colocate, else one engine's."""
+def rollout_num_gpus(cluster: ClusterConfig) -> int | None:
+    """--rollout-num-gpus; default: the train devices with --colocate, else one engine's; none
+    with --rollout-external-engine-addrs (the run reserves no devices for those engines)."""
+    if cluster.rollout_external_engine_addrs:
+        return None
     if cluster.rollout_num_gpus is not None:
         return cluster.rollout_num_gpus
     return cluster.actor_world_size if cluster.colocate else cluster.rollout_num_gpus_per_engine

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from miles.config import engine_addresses
+
 
 def _at_least(value: int | float | None, minimum: int | float, flag: str) -> None:
     if value is not None and value < minimum:
@@ -43,12 +45,30 @@ class ClusterConfig:
     rollout_engine: Literal["auto", "sglang", "reference"] = "auto"
     """Inference engine: sglang (GPUs), reference (pure PyTorch, any device); auto picks sglang
     when it is installed and GPUs are present, else reference."""
+    rollout_external_engine_addrs: list[str] | None = None
+    """Engines this run does not launch (host:port each: your SGLang servers, or reference
+    engines started by hand): it generates on them and pushes its weights into them, reserves no
+    devices for them and leaves them running at the end; a lost one is not restarted. Each must
+    answer and serve --hf-checkpoint at start. Not with --colocate, --rollout-num-gpus or engine
+    launch flags."""
 
     def __post_init__(self) -> None:
         _at_least(self.actor_num_nodes, 1, "--actor-num-nodes")
         _at_least(self.actor_num_gpus_per_node, 1, "--actor-num-gpus-per-node")
         _at_least(self.rollout_num_gpus, 1, "--rollout-num-gpus")
         _at_least(self.rollout_num_gpus_per_engine, 1, "--rollout-num-gpus-per-engine")
+        engine_addresses.check_cluster(
+            self.rollout_external_engine_addrs,
+            colocate=self.colocate,
+            rollout_num_gpus=self.rollout_num_gpus,
+            rollout_num_gpus_per_engine=self.rollout_num_gpus_per_engine,
+            rollout_engine=self.rollout_engine,
+        )
+
+    @property
+    def external_engine_urls(self) -> list[str]:
+        """The base URLs of --rollout-external-engine-addrs (none: the run launches its own)."""
+        return [engine_addresses.engine_url(a) for a in self.rollout_external_engine_addrs or []]
 
     @property
     def actor_world_size(self) -> int:
@@ -70,13 +90,14 @@ class EngineConfig:
     engine_mem_fraction_static: float | None = None
     """SGLang only: fraction of GPU memory for weights and KV cache."""
     engine_startup_timeout_s: float = 600.0
-    """How long to wait for every engine to answer /health after launch."""
+    """How long to wait for every engine to answer /health after launch (external engines:
+    /health_generate at start)."""
     engine_log_dir: str | None = None
     """Write each engine's output to a file here (default: the run's output directory)."""
     use_fault_tolerance: bool | None = None
     """Health-check the engines and restart a dead or hung one: its requests go to the others
-    (a group whole), and it rejoins with the current weights. None: on with more than one
-    engine."""
+    (a group whole), and it rejoins with the current weights; an external engine is left out
+    for good instead. None: on with more than one engine."""
     max_engine_restarts: int = 3
     """Restarts allowed per engine before the run stops (with fault tolerance)."""
     rollout_health_check_interval_s: float = 5.0

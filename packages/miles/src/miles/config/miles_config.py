@@ -19,7 +19,7 @@ from miles.backends.training_utils.algorithms.algorithm import Algorithm
 from miles.backends.training_utils.algorithms.critic_config import CriticConfig
 from miles.backends.training_utils.algorithms.distillation import DistillationConfig
 from miles.backends.training_utils.algorithms.loss_config import LossConfig
-from miles.config import cross_checks, derivation, paths
+from miles.config import cross_checks, derivation, external_engines, paths
 from miles.config.eval_config import EvalConfig
 from miles.config.eval_datasets import build_eval_datasets
 from miles.config.groups import (
@@ -101,6 +101,9 @@ class MilesConfig:
             self.cluster, self.training, self.rollout, self.checkpoint
         )  # fmt: skip
         cross_checks.check_placement(cluster, self.distillation, self.critic)
+        external_engines.check_settings(
+            cluster, self.engine, training, rollout, self.distillation, self.backend
+        )
         made = cross_checks.load_run_rollout(rollout)
         cross_checks.check_rollout(made, rollout, self.data)
         cross_checks.check_async_modes(cluster, training, rollout, self.algorithm, made)

@@ -83,6 +83,7 @@ def plan_placement(
     teacher_engines: int = 0,
     teacher_gpus_per_engine: int = 1,
     critic_ranks: int = 0,
+    external_engines: bool = False,
 ) -> PlacementPlan:
     """Lay out train ranks and rollout engines over bundles, one bundle per device.
 
@@ -90,20 +91,30 @@ def plan_placement(
     engines (rollout_num_gpus must be N; None means N). Disaggregated: N train bundles, then
     rollout_num_gpus engine bundles. Without GPUs a "GPU" is a worker device, i.e. a CPU bundle.
     The ranks of a critic of its own (`critic_ranks`) come next, then teacher engines (on-policy
-    distillation), `teacher_gpus_per_engine` bundles each. Every invalid combination raises ValueError naming the flags and the fix.
+    distillation), `teacher_gpus_per_engine` bundles each. `external_engines`: the engines run
+    elsewhere (--rollout-external-engine-addrs), so none takes a bundle and `rollout_num_gpus`
+    must be None. Every invalid combination raises ValueError naming the flags and the fix.
     """
     _check_positive("--actor-num-nodes", actor_num_nodes)
     _check_positive("--actor-num-gpus-per-node", actor_num_gpus_per_node)
     _check_positive("--rollout-num-gpus-per-engine", rollout_num_gpus_per_engine)
     num_actor = actor_num_nodes * actor_num_gpus_per_node
-    if rollout_num_gpus is None:
+    if external_engines:
+        if colocate or rollout_num_gpus is not None:
+            raise ValueError(
+                "--rollout-external-engine-addrs: engines the run does not launch take none of "
+                "its devices; drop --colocate and --rollout-num-gpus"
+            )
+        rollout_num_gpus = 0
+    elif rollout_num_gpus is None:
         if not colocate:
             raise ValueError(
                 "--rollout-num-gpus is required without --colocate: the engines get their own "
                 "devices; pass --rollout-num-gpus N, or --colocate to share the train devices"
             )
         rollout_num_gpus = num_actor
-    _check_positive("--rollout-num-gpus", rollout_num_gpus)
+    if not external_engines:
+        _check_positive("--rollout-num-gpus", rollout_num_gpus)
     if colocate and rollout_num_gpus != num_actor:
         raise ValueError(
             f"--colocate shares devices, so --rollout-num-gpus ({rollout_num_gpus}) must equal "
@@ -184,7 +195,7 @@ def plan_for_cluster(
     critic_ranks: int = 0,
 ) -> PlacementPlan:
     """`plan_placement` for the placement flags of a `ClusterConfig` group (and teachers and a
-    critic of its own)."""
+    critic of its own); external engines take no bundle."""
     return plan_placement(
         actor_num_nodes=cluster.actor_num_nodes,
         actor_num_gpus_per_node=cluster.actor_num_gpus_per_node,
@@ -196,6 +207,7 @@ def plan_for_cluster(
         teacher_engines=teacher_engines,
         teacher_gpus_per_engine=teacher_gpus_per_engine,
         critic_ranks=critic_ranks,
+        external_engines=bool(cluster.rollout_external_engine_addrs),
     )
 
 

@@ -3,7 +3,10 @@
 It starts the engines (one `RolloutEngineActor` per engine, in the engine's placement bundle), and
 the teachers with --use-opd; fronts them with sglang-router or the built-in least-loaded balancer
 (`EnginePool`); with fault tolerance, supervises them, restarts a lost one at its URL and admits it
-back once it has the trainers' weights; and `dispose()` stops every process it started.
+back once it has the trainers' weights; and `dispose()` stops every process it started. With
+--rollout-external-engine-addrs it launches none: it checks the given engines
+(`miles.ray.external_engines`), balances over them, treats a lost one as lost for good, and
+leaves them running.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from miles.config.miles_config import MilesConfig
 from miles.config.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.config.trainer_args import TrainerArgs
 from miles.ray.engine_actor import RolloutEngineActor
+from miles.ray.external_engines import check_external_engines
 from miles.ray.placement import Placement
 from miles.ray.teacher_engines import TeacherEngines
 from miles.rollout.engine_pool import EnginePool
@@ -125,7 +129,14 @@ class EngineFailedError(RuntimeError):
 class EngineFleet:
     """The engines of one run: started once, restarted when lost, stopped by `dispose`."""
 
-    def __init__(self, config: MilesConfig, placement: Placement | None) -> None:
+    def __init__(
+        self,
+        config: MilesConfig,
+        placement: Placement | None,
+        *,
+        external_admin_key: str | None = None,
+    ) -> None:
+        """`external_admin_key`: the admin key of external engines (None: they take none)."""
         self.config = config
         self.placement = placement
         self.engine_actors: list[Any] = []
@@ -137,13 +148,17 @@ class EngineFleet:
         self._engine_kind = ""
         self._engine_specs: list[dict[str, Any]] = []
         # The engines this run launches answer admin calls (weights, memory, pause, abort) only
-        # to holders of this key: the run's own clients and trainers.
-        self._admin_key = secrets.token_urlsafe(32)
+        # to holders of this key: the run's own clients and trainers. External engines have
+        # the key their owner gave them.
+        self.external = bool(config.cluster.rollout_external_engine_addrs)
+        self._admin_key = external_admin_key if self.external else secrets.token_urlsafe(32)
         self._has_gpus = False
         self.start_seconds: float | None = None  # how long `start` took
 
     async def start(self) -> list[str]:
         """Launch every engine in its bundle, wait until all answer, set up the balancing."""
+        if self.external:
+            return await self._use_external_engines()
         config = self.config
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         engine = resolve_engine(config.cluster.rollout_engine, has_gpus)
@@ -175,10 +190,28 @@ class EngineFleet:
         self.start_seconds = time.perf_counter() - start
         return list(self.engine_urls)
 
+    async def _use_external_engines(self) -> list[str]:
+        """Check the engines of --rollout-external-engine-addrs and balance over them."""
+        start = time.perf_counter()
+        urls = self.config.cluster.external_engine_urls
+        await check_external_engines(
+            urls,
+            hf_checkpoint=self.config.checkpoint.hf_checkpoint,
+            admin_key=self._admin_key,
+            timeout_s=self.config.engine.engine_startup_timeout_s,
+        )
+        self.engine_urls = urls
+        self._start_balancing()
+        if self.fault_tolerant:
+            self._start_supervisor()
+        self.start_seconds = time.perf_counter() - start
+        return list(urls)
+
     async def _start_teachers(self, engine: str, has_gpus: bool) -> list[str]:
         """--use-opd: the teacher engines, launched beside the student's; their URLs."""
         if not self.config.distillation.use_opd:
             return []
+        assert self._admin_key is not None, "--use-opd is refused with external engines"
         self.teachers = TeacherEngines(self.config, self.placement, admin_key=self._admin_key)
         return await self.teachers.start(engine, self._engine_specs[0], has_gpus=has_gpus)
 
@@ -237,14 +270,18 @@ class EngineFleet:
             needs_weights=not training.debug_rollout_only,
         )
         router = self.router
+        # An external engine is not ours to restart: a lost one stays lost.
+        restart = None if self.external else self._restart_engine
         self.supervisor = EngineSupervisor(
-            self.pool, config, restart=self._restart_engine, log_tail=self.engine_log_tail,
+            self.pool, config, restart=restart, log_tail=self.engine_log_tail,
             on_remove=(lambda url: asyncio.to_thread(router.remove_worker, url)) if router else None,
             on_return=(lambda url: asyncio.to_thread(router.add_worker, url)) if router else None,
         )  # fmt: skip
         self.supervisor.start()
-        logger.info("fault tolerance: /health every %.0f s (bound %.0f s), %d restart(s) per engine",
-                    config.interval_s, config.timeout_s, config.max_restarts)  # fmt: skip
+        logger.info("fault tolerance: /health every %.0f s (bound %.0f s), %s",
+                    config.interval_s, config.timeout_s,
+                    "external engines: a lost one is not restarted" if self.external
+                    else f"{config.max_restarts} restart(s) per engine")  # fmt: skip
 
     async def _restart_engine(self, index: int) -> None:
         """Stop what is left of engine `index` and start it again in its bundle, at its URL."""
@@ -271,6 +308,8 @@ class EngineFleet:
 
     def engine_log_tail(self, index: int, lines: int = 20) -> str:
         """The last lines of engine `index`'s log file (its output across restarts)."""
+        if self.external:
+            return "  (an external engine: its log is wherever it was started)"
         path = self._engine_specs[index]["log_path"]
         try:
             text = file_tail(path, lines)
@@ -305,6 +344,10 @@ class EngineFleet:
                 )
         await self.supervisor.admit(urls)
 
+    def engines_lost_for_good(self) -> list[str]:
+        """External engines lost during the run: the trainers push weights to the others."""
+        return self.supervisor.lost_for_good() if self.supervisor else []
+
     def fault_metrics(self) -> dict[str, float]:
         return self.supervisor.metrics() if self.supervisor else {}
 
@@ -314,6 +357,8 @@ class EngineFleet:
         if url not in self.engine_urls:
             return err
         index = self.engine_urls.index(url)
+        if self.external:
+            return EngineFailedError(f"external engine {index} at {url} failed: {err}")
         return EngineFailedError(
             f"engine {index} at {url} failed: {err}\nthe end of its log "
             f"({self._engine_specs[index]['log_path']}):\n{self.engine_log_tail(index)}"
@@ -334,13 +379,14 @@ class EngineFleet:
         }
 
     @property
-    def admin_key(self) -> str:
-        """The admin key of these engines (for the trainers' weight pushes)."""
+    def admin_key(self) -> str | None:
+        """The admin key of these engines (for the trainers' weight pushes; None: external
+        engines that take none)."""
         return self._admin_key
 
     async def dispose(self) -> None:
         """Stop the supervisor, the router and every engine; nothing started here outlives this
-        call."""
+        call. External engines keep running: no process of theirs is the run's."""
         if self.supervisor is not None:
             await self.supervisor.stop()
             self.supervisor = None

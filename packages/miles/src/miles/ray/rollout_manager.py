@@ -79,7 +79,15 @@ class RolloutManager:
     generation, evaluation and control calls never race on the engines' clients.
     """
 
-    def __init__(self, config: MilesConfig, placement: Placement | None, *, dp_size: int):
+    def __init__(
+        self,
+        config: MilesConfig,
+        placement: Placement | None,
+        *,
+        dp_size: int,
+        external_admin_key: str | None = None,
+    ):
+        """`external_admin_key`: the admin key of --rollout-external-engine-addrs' engines."""
         self.config = config
         self.dp_size = dp_size
         self.reward_hub = RewardHub(config.reward)
@@ -90,7 +98,7 @@ class RolloutManager:
         }
         # The built-in rollout is this flag's default: it is loaded and called like a custom one.
         self.rollout = load_rollout(config.rollout, run_config=config)
-        self.engines = EngineFleet(config, placement)
+        self.engines = EngineFleet(config, placement, external_admin_key=external_admin_key)
         self._data: _Prompts | None = None
         self.startup_seconds: dict[str, float] = {}
         self._reward_metrics: dict[str, float] = {}
@@ -214,8 +222,9 @@ class RolloutManager:
         """ "pid P on node A": where this manager runs (for messages about it)."""
         return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
 
-    def engine_admin_key(self) -> str:
-        """The admin key of the engines this manager launched (for the trainers' weight pushes)."""
+    def engine_admin_key(self) -> str | None:
+        """The admin key of the engines (for the trainers' weight pushes): the one this manager
+        gave the engines it launched, or external engines' own (None: they take none)."""
         return self.engines.admin_key
 
     def uses_fault_tolerance(self) -> bool:
@@ -228,6 +237,10 @@ class RolloutManager:
     async def recover_engines(self) -> list[str]:
         """Before a weight update: the engines awaiting weights once none is restarting."""
         return await self.engines.recover_engines()
+
+    def engines_lost_for_good(self) -> list[str]:
+        """External engines lost during the run (never restarted)."""
+        return self.engines.engines_lost_for_good()
 
     async def admit_engines(self, urls: list[str], weight_version: int | None) -> None:
         """Put restarted engines back in service once each reports `weight_version`."""

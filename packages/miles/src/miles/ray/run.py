@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import ray
+from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 from miles.backends.training_utils.algorithms.registry import loss_spec
 from miles.config.miles_config import MilesConfig
 from miles.ray.cluster import init_ray
@@ -136,7 +137,12 @@ class Run:
             self.placement = create_placement(plan_for_config(config, use_gpus=has_gpus))
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
-        manager = manager_class.remote(config, self.placement, dp_size=dp_size)
+        # External engines' admin key comes from the driver's environment, as a reference
+        # engine reads it, and never from the config, which the run records.
+        manager = manager_class.remote(
+            config, self.placement, dp_size=dp_size,
+            external_admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
+        )  # fmt: skip
         self.rollout_manager = manager
         self._manager_place = manager.where.remote()  # read only to name a hung manager
         engines = None if training.debug_train_only else manager.start_engines.remote()
@@ -504,19 +510,25 @@ class Run:
         if not self.fault_tolerant:
             self.weight_version = self.trainers.update_weights()
             return {"time/update_weights_s": time.perf_counter() - start}
-        # Engines lost since the last rollout are back (or the run stops) before the push.
+        # Engines lost since the last rollout are back (or the run stops) before the push;
+        # external engines lost for good are left out of it.
         self._restore_engines(self._recover_engines())
+        self._drop_lost_engines()
         try:
             self.weight_version = self.trainers.update_weights()
         except Exception as err:
             lost = self._recover_engines()
-            if not lost:
+            dropped = self._drop_lost_engines()
+            if not lost and not dropped:
                 raise  # every engine answers: not an engine's failure
             # The failed push may have reached some engines in part: every engine gets the
             # new version again, whole, and the restarted ones return to service.
             logger.warning("weight update failed with engines %s lost (%s); pushing again",
-                           lost, err)  # fmt: skip
-            self._restore_engines(lost, push_to=list(self.engine_urls))
+                           lost or dropped, err)  # fmt: skip
+            if lost:
+                self._restore_engines(lost, push_to=list(self.engine_urls))
+            else:
+                self.weight_version = self.trainers.restore_engines(list(self.engine_urls))
         return {"time/update_weights_s": time.perf_counter() - start}
 
     def update_due(self, rollout_id: int) -> bool:
@@ -558,6 +570,23 @@ class Run:
         )  # fmt: skip
         return {**updated, "async/update_pause_s": paused - start,
                 "time/update_weights_s": time.perf_counter() - start}  # fmt: skip
+
+    def _drop_lost_engines(self) -> list[str]:
+        """External engines lost for good leave the trainers' weight pushes (a push to a dead
+        engine fails); the engines dropped now."""
+        lost = self._from_manager(
+            self.rollout_manager.engines_lost_for_good.remote(), "engines_lost_for_good"
+        )
+        dropped = [url for url in self.engine_urls if url in lost]
+        if dropped and self.trainers is not None:
+            self.engine_urls = [url for url in self.engine_urls if url not in lost]
+            admin_key = self._from_manager(
+                self.rollout_manager.engine_admin_key.remote(), "admin key"
+            )
+            self.trainers.connect_engines(self.engine_urls, admin_key)
+            logger.warning("external engines %s are lost: the weights go to the %d left, %s",
+                           dropped, len(self.engine_urls), self.engine_urls)  # fmt: skip
+        return dropped
 
     def _recover_engines(self) -> list[str]:
         call = self.rollout_manager.recover_engines.remote()

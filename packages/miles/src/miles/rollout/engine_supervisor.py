@@ -9,7 +9,8 @@ A lost engine is restarted by the `restart` callable (the rollout manager's: sam
 port, so its URL stays), then waits for the current weights: the trainers push them, the rollout
 manager calls `admit`, and the engine serves again. An engine lost more than `max_restarts` times
 stops the run: the pool fails with `EngineUnavailableError`, naming the engine, its last failure
-and the end of its log.
+and the end of its log. Engines the run did not launch (no `restart`) are never restarted: a lost
+one stays out of service for good, and the run goes on with the others while any serves.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class EngineState(enum.Enum):
     RESTARTING = "restarting"
     AWAITING_WEIGHTS = "awaiting_weights"  # restarted, still on the checkpoint's weights
     FAILED = "failed"
+    LOST = "lost"  # an external engine that stopped answering: not the run's to restart
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,13 +56,14 @@ class EngineSupervisor:
         pool: EnginePool,
         config: FaultToleranceConfig,
         *,
-        restart: Callable[[int], Awaitable[None]],
+        restart: Callable[[int], Awaitable[None]] | None,
         log_tail: Callable[[int], str],
         on_remove: Callable[[str], Awaitable[None]] | None = None,
         on_return: Callable[[str], Awaitable[None]] | None = None,
     ):
         """`restart(index)` stops engine `index` (whatever is left of it) and starts it again at
-        its URL, raising if it does not come up; `log_tail(index)` is the end of its log;
+        its URL, raising if it does not come up; None for engines the run did not launch (a lost
+        one stays lost); `log_tail(index)` is the end of its log;
         `on_remove` / `on_return` take a URL out of and back into a router."""
         self.pool = pool
         self.config = config
@@ -118,10 +121,39 @@ class EngineSupervisor:
     def _on_lost(self, url: str, reason: str) -> None:
         if self._given_up or self.states.get(url) is not EngineState.SERVING:
             return
+        if self._restart is None:
+            self._lose_for_good(url, reason)
+            return
         self.states[url] = EngineState.RESTARTING
         self._lost_at[url] = time.monotonic()
         self._restarted.clear()
         self._recoveries[url] = asyncio.get_running_loop().create_task(self._recover(url, reason))
+
+    def _lose_for_good(self, url: str, reason: str) -> None:
+        """An external engine: out of service (and out of the router) for the rest of the run."""
+        self.states[url] = EngineState.LOST
+        serving = [u for u in self.urls if self.states[u] is EngineState.SERVING]
+        logger.warning(
+            "external engine %d at %s is lost (%s); the run did not launch it, so it is not "
+            "restarted: going on with %d engine(s) %s", self.urls.index(url), url, reason,
+            len(serving), serving,
+        )  # fmt: skip
+        if self._on_remove is not None:
+            remove = self._on_remove(url)
+            self._recoveries[url] = asyncio.get_running_loop().create_task(remove)
+        if not serving:
+            self._given_up = True
+            self.pool.fail(
+                EngineUnavailableError(
+                    f"every external engine is lost (the last, {url}: {reason}); the run cannot "
+                    "restart engines it did not launch: start them again and resume from the "
+                    "last checkpoint"
+                )
+            )
+
+    def lost_for_good(self) -> list[str]:
+        """External engines lost during the run (never back in service)."""
+        return [url for url in self.urls if self.states[url] is EngineState.LOST]
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -202,8 +234,8 @@ class EngineSupervisor:
             self.pool.admit(url)
 
     def metrics(self) -> dict[str, float]:
-        """Restarts so far, requests sent again, seconds engines spent out of service, and the
-        engines serving now."""
+        """Restarts so far, requests sent again, seconds engines spent out of service, the
+        engines serving now, and the external engines lost for good."""
         now = time.monotonic()
         down = sum(now - lost_at for lost_at in self._lost_at.values())
         return {
@@ -211,4 +243,5 @@ class EngineSupervisor:
             "engine/restarts": float(sum(self.restarts.values())),
             "engine/reissued_requests": float(self.pool.reissued_requests),
             "engine/seconds_lost": self.seconds_lost + down,
+            "engine/lost_for_good": float(len(self.lost_for_good())),
         }

@@ -390,7 +390,12 @@ class TrainRayActor(abc.ABC):
         """The rollout engines the weights are pushed to, and their admin key. The loop starts
         the engines beside the trainers and calls this once they answer, before the first
         weight update."""
-        self.close()  # a new set of engines needs a new weight-update group
+        try:
+            self.close()  # a new set of engines needs a new weight-update group
+        except Exception:  # an engine of the old group is gone (a lost external engine)
+            logger.warning("rank %d: leaving the old weight-update group", self.rank,
+                           exc_info=True)  # fmt: skip
+            self._updater = None
         self.engine_urls = tuple(engine_urls)
         self._engine_admin_key = admin_api_key
 
