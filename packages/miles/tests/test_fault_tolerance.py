@@ -90,6 +90,17 @@ def hung() -> Iterator[HungEngine]:
     engine.close()
 
 
+async def _generate_until_unavailable(pool: EnginePool) -> EngineUnavailableError:
+    """Send a request again after each loss, as a rollout does, until no engine can serve."""
+    with pytest.raises(EngineUnavailableError) as caught:
+        while True:
+            try:
+                await pool.generate(long_request(3))
+            except EngineLostError:
+                continue
+    return caught.value
+
+
 def test_without_fault_tolerance_a_hung_engine_fails_its_request_within_the_bound(hung):
     async def run():
         async with EnginePool([hung.url], timeout_s=1.5) as pool:
@@ -161,14 +172,9 @@ def test_an_engine_that_keeps_failing_stops_the_rollout_naming_it_and_its_log(hu
             supervisor = _supervisor(pool, restart, max_restarts=2)
             supervisor.start()
             started = time.monotonic()
-            with pytest.raises(EngineUnavailableError) as caught:
-                while True:  # as a rollout does: a lost request is sent again
-                    try:
-                        await pool.generate(long_request(3))
-                    except EngineLostError:
-                        continue
+            unavailable = await _generate_until_unavailable(pool)
             await supervisor.stop()
-            return str(caught.value), time.monotonic() - started, supervisor.states
+            return str(unavailable), time.monotonic() - started, supervisor.states
 
     message, elapsed_s, states = asyncio.run(run())
     assert attempts == [0, 0]
@@ -234,14 +240,9 @@ def test_when_every_external_engine_is_lost_the_rollout_stops_saying_so(hung):
             supervisor = _supervisor(pool, restart=None)
             supervisor.start()
             started = time.monotonic()
-            with pytest.raises(EngineUnavailableError) as caught:
-                while True:  # as a rollout does: a lost request is sent again
-                    try:
-                        await pool.generate(long_request(3))
-                    except EngineLostError:
-                        continue
+            unavailable = await _generate_until_unavailable(pool)
             await supervisor.stop()
-            return str(caught.value), time.monotonic() - started
+            return str(unavailable), time.monotonic() - started
 
     message, elapsed_s = asyncio.run(run())
     assert message.startswith(f"every external engine is lost (the last, {hung.url}: ")
