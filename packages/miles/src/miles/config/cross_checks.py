@@ -326,17 +326,10 @@ def check_labels(reward: RewardConfig, data: DataSourceConfig) -> None:
 
 def check_mixture(reward: RewardConfig, data: DataSourceConfig) -> None:
     """Each source of a --prompt-data mixture names a reward the run can score with."""
-    from miles.rollout.rewards.sample_reward import sample_reward
+    from miles.rollout.mixture import source_reward
 
     for source in data.mixture or []:
-        if not source.reward:
-            continue
-        try:
-            sample_reward(source.reward, reward)
-        except ValueError as err:
-            raise ValueError(
-                f"--prompt-data {data.prompt_data}, source {source.name!r}: {err}"
-            ) from None
+        source_reward(source, reward, data.prompt_data)
 
 
 def check_parallel_sizes(

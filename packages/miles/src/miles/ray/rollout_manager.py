@@ -37,11 +37,10 @@ from miles.rollout.engine_pool import EnginePool
 from miles.rollout.fully_async import FullyAsyncConfig, FullyAsyncRollouts
 from miles.rollout.group_loop import group_runner, run_groups
 from miles.rollout.loader import load_rollout
-from miles.rollout.mixture import MixtureSource, source_config
+from miles.rollout.mixture import MixtureSource, source_config, source_reward
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES, RewardConfig
 from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
-from miles.rollout.rewards.sample_reward import sample_reward
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.hf_config import hf_config_value
@@ -153,17 +152,10 @@ class RolloutManager:
             return None
         read = []
         for source in sources:
-            checks = self._row_checks(self.config.reward)
-            if source.reward:
-                run_reward = self.config.reward
-                try:
-                    reward = sample_reward(source.reward, run_reward)
-                except ValueError as err:
-                    raise ValueError(
-                        f"--prompt-data {self.config.data.prompt_data}, source {source.name!r}: "
-                        f"{err}"
-                    ) from None
-                assert reward is not None, "a source's reward names an rm_type"
+            run_reward = self.config.reward
+            checks = self._row_checks(run_reward)
+            reward = source_reward(source, run_reward, self.config.data.prompt_data)
+            if reward is not None:
                 checks["reward"] = reward.config(run_reward)
                 self.reward_hub.check_rewards({reward: f"source {source.name!r}"})
             dataset = PromptDataset(source_config(self.config.data, source), tokenizer, **checks)

@@ -19,7 +19,11 @@ import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.rollout.rewards.config import RewardConfig
+    from miles.rollout.rewards.sample_reward import SampleReward
 
 MIXTURE_SUFFIXES = (".yaml", ".yml")
 SOURCE_KEY = "source"
@@ -42,6 +46,21 @@ class MixtureSource:
     reward: dict[str, str]
     """The reward of its rows that name none (`rm_type`, with `custom_rm_path` or `rm_url`);
     empty: the run's."""
+
+
+def source_reward(
+    source: MixtureSource, run: RewardConfig, prompt_data: str
+) -> SampleReward | None:
+    """The reward of `source`'s rows that name none (None: the run's); an error names the
+    mixture file and the source."""
+    from miles.rollout.rewards.sample_reward import sample_reward
+
+    if not source.reward:
+        return None
+    try:
+        return sample_reward(source.reward, run)
+    except ValueError as err:
+        raise ValueError(f"--prompt-data {prompt_data}, source {source.name!r}: {err}") from None
 
 
 def is_mixture_file(prompt_data: str) -> bool:

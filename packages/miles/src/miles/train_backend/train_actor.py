@@ -182,12 +182,7 @@ class TrainRayActor(abc.ABC):
                 "the run spec has no critic (TrainRunSpec.critic)"
             )
         PolicyTrainer.check_settings(loss, use_rollout_logprobs=backend.use_rollout_logprobs)
-        self.check_supported(backend)
-        # The device first: NCCL binds a communicator to the device current at its creation.
-        device = set_device(self.local_rank)
-        self.setup_distributed(spec.distributed_timeout_s)
-        torch.manual_seed(backend.seed)
-        self.spec, self.backend = spec, backend
+        device = self._join(spec, backend)
         self.engine = self.build_engine(
             spec, backend, device=device, with_ref=with_ref or algorithm.needs_reference
         )
@@ -197,13 +192,11 @@ class TrainRayActor(abc.ABC):
                 critic_run_spec(spec, spec.critic), critic_settings(backend, spec.critic),
                 device=device,
             )  # fmt: skip
-        dynamic = backend.use_dynamic_batch_size
         self.trainer = PolicyTrainer(
             self.engine,
             loss,
             global_batch_size=spec.global_batch_size,
-            micro_batch_size=None if dynamic else backend.micro_batch_size,
-            max_tokens_per_gpu=backend.max_tokens_per_gpu if dynamic else None,
+            **_micro_batching(backend),
             use_rollout_logprobs=backend.use_rollout_logprobs,
             distillation=spec.distillation,
             critic=self.critic_engine,
@@ -220,25 +213,16 @@ class TrainRayActor(abc.ABC):
                 "--critic-num-gpus-per-node with --advantage-estimator ppo); the run spec has "
                 + ("no critic" if critic is None else "a critic on the policy's ranks")
             )
-        self.check_supported(backend)
-        device = set_device(self.local_rank)
-        self.setup_distributed(spec.distributed_timeout_s)
-        torch.manual_seed(backend.seed)
-        self.spec, self.backend = spec, backend
+        device = self._join(spec, backend)
         settings = critic_settings(backend, critic)
         self.critic_engine = self.build_critic_engine(
             critic_run_spec(spec, critic), settings, device=device
         )
-        dynamic = settings.use_dynamic_batch_size
         self.critic_trainer = CriticTrainer(
             self.critic_engine,
             loss,
             global_batch_size=spec.global_batch_size,
-            micro_batches=MicroBatcher(
-                self.critic_engine,
-                micro_batch_size=None if dynamic else settings.micro_batch_size,
-                max_tokens_per_gpu=settings.max_tokens_per_gpu if dynamic else None,
-            ),
+            micro_batches=MicroBatcher(self.critic_engine, **_micro_batching(settings)),
         )
         loaded = self.critic_engine.load(critic.critic_load) if critic.critic_load else None
         if loaded is None:
@@ -247,6 +231,17 @@ class TrainRayActor(abc.ABC):
         logger.info("critic rank %d resumed rollout %d from %s",
                     self.rank, loaded.rollout_id, critic.critic_load)  # fmt: skip
         return loaded.rollout_id + 1
+
+    def _join(self, spec: TrainRunSpec, backend: TrainerArgs) -> torch.device:
+        """What every rank does before building its engines: refuse what the backend cannot
+        do here, take its device, join the process group, seed; returns the device."""
+        self.check_supported(backend)
+        # The device first: NCCL binds a communicator to the device current at its creation.
+        device = set_device(self.local_rank)
+        self.setup_distributed(spec.distributed_timeout_s)
+        torch.manual_seed(backend.seed)
+        self.spec, self.backend = spec, backend
+        return device
 
     def _resume(self) -> int:
         assert self.engine is not None and self.trainer is not None
@@ -552,6 +547,15 @@ def _resolve(data_ref: Any) -> RolloutBatch:
 def _host_for_url(address: str) -> str:
     # An IPv6 literal needs brackets inside a tcp:// URL.
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def _micro_batching(settings: TrainerArgs) -> dict[str, int | None]:
+    """Fixed micro-batches of --micro-batch-size, or dynamic ones of --max-tokens-per-gpu."""
+    dynamic = settings.use_dynamic_batch_size
+    return {
+        "micro_batch_size": None if dynamic else settings.micro_batch_size,
+        "max_tokens_per_gpu": settings.max_tokens_per_gpu if dynamic else None,
+    }
 
 
 def critic_run_spec(spec: TrainRunSpec, critic: CriticConfig) -> TrainRunSpec:
