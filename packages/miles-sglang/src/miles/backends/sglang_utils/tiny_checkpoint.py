@@ -106,11 +106,16 @@ def build_tiny_checkpoint(
     path: str | Path, *, seed: int = 0, architecture: str = "qwen3", **config_overrides
 ) -> Path:
     """Write a randomly initialised (seeded) tiny checkpoint of `architecture` (a key of
-    TINY_CONFIGS) and its tokenizer to `path`."""
+    TINY_CONFIGS, or of tiny_vlm.TINY_VLMS for a vision-language model with its processor) and
+    its tokenizer to `path`."""
+    # Imported here: tiny_vlm builds on this module's tokenizer.
+    from miles.backends.sglang_utils.tiny_vlm import TINY_VLMS, build_tiny_vlm
+
+    if architecture in TINY_VLMS:
+        return build_tiny_vlm(path, seed=seed, architecture=architecture, **config_overrides)
     if architecture not in TINY_CONFIGS:
-        raise ValueError(
-            f"no tiny {architecture!r} checkpoint; choose one of {', '.join(TINY_CONFIGS)}"
-        )
+        choices = ", ".join([*TINY_CONFIGS, *TINY_VLMS])
+        raise ValueError(f"no tiny {architecture!r} checkpoint; choose one of {choices}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -156,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=build_tiny_checkpoint.__doc__)
     parser.add_argument("out", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--architecture", choices=sorted(TINY_CONFIGS), default="qwen3")
+    from miles.backends.sglang_utils.tiny_vlm import TINY_VLMS
+
+    parser.add_argument(
+        "--architecture", choices=sorted([*TINY_CONFIGS, *TINY_VLMS]), default="qwen3"
+    )
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     args = parser.parse_args(argv)
