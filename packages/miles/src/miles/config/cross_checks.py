@@ -324,6 +324,21 @@ def check_labels(reward: RewardConfig, data: DataSourceConfig) -> None:
         )
 
 
+def check_images(data: DataSourceConfig, hf_checkpoint: str) -> None:
+    """Data with images (--multimodal-keys) needs a model with a vision tower."""
+    from miles.utils.hf_config import hf_config_value
+
+    if data.image_key is None or hf_config_value(hf_checkpoint, "model_type") is None:
+        return  # text-only data, or a hub id whose config is read where it is downloaded
+    if hf_config_value(hf_checkpoint, "vision_config") is None:
+        model_type = hf_config_value(hf_checkpoint, "model_type")
+        raise ValueError(
+            f"--multimodal-keys {data.multimodal_keys}: the data has images, but --hf-checkpoint "
+            f"{hf_checkpoint} ({model_type}) has no vision tower; use a vision-language "
+            "checkpoint (e.g. Qwen2.5-VL) or drop --multimodal-keys"
+        )
+
+
 def check_mixture(reward: RewardConfig, data: DataSourceConfig) -> None:
     """Each source of a --prompt-data mixture names a reward the run can score with."""
     from miles.rollout.mixture import source_reward

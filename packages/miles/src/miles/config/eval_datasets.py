@@ -38,6 +38,7 @@ DATASET_KEYS: dict[str, DatasetKey] = {
     "label_key": DatasetKey(str | None, "--label-key"),
     "metadata_key": DatasetKey(str | None, "--metadata-key"),
     "tool_key": DatasetKey(str | None, "--tool-key"),
+    "multimodal_keys": DatasetKey(dict[str, str] | None, "--multimodal-keys"),
     "n_samples_per_eval_prompt": DatasetKey(int, "--n-samples-per-eval-prompt"),
     "temperature": DatasetKey(float, "--eval-temperature, else --rollout-temperature"),
     "top_p": DatasetKey(float, "--rollout-top-p"),
@@ -208,7 +209,9 @@ def _data(run: DataSourceConfig, path: Any, given: dict[str, Any], where: str) -
             f"{resolved}); fix the path or create the file"
         )
     keys = {
-        k: given[k] for k in ("input_key", "label_key", "metadata_key", "tool_key") if k in given
+        k: given[k]
+        for k in ("input_key", "label_key", "metadata_key", "tool_key", "multimodal_keys")
+        if k in given
     }
     return dataclasses.replace(run, prompt_data=resolved, rollout_shuffle=False, **keys)
 

@@ -79,6 +79,8 @@ class MilesConfig:
         self.eval.eval_datasets = build_eval_datasets(
             self.eval, rollout=self.rollout, data=self.data, reward=self.reward
         )
+        for data in (self.data, *(d.data for d in self.eval.eval_datasets)):
+            cross_checks.check_images(data, self.checkpoint.hf_checkpoint)
 
     def _derive(self) -> None:
         """Write the values `derivation` computes (of them, only the batch identity can refuse)."""

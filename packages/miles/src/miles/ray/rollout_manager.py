@@ -44,7 +44,7 @@ from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.hf_config import hf_config_value
-from miles.utils.tokenizers import load_tokenizer
+from miles.utils.tokenizers import load_processor, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -189,12 +189,19 @@ class RolloutManager:
     def _row_checks(self, reward: RewardConfig) -> dict[str, Any]:
         """What PromptDataset checks each row against: labels, where `reward` reads them,
         and the model's context length (from its config.json)."""
-        context = hf_config_value(self.config.checkpoint.hf_checkpoint, "max_position_embeddings")
+        checkpoint = self.config.checkpoint.hf_checkpoint
+        context = hf_config_value(checkpoint, "max_position_embeddings")
         return {
             "labels_required": reward.rm_type in BUILTIN_RM_TYPES,
             "context_length": int(context) if context else None,
             "reward": reward,
+            # Read only for data with images (--multimodal-keys); a VLM's processor loads in ms.
+            "processor": load_processor(checkpoint) if self._reads_images() else None,
         }
+
+    def _reads_images(self) -> bool:
+        data = [self.config.data, *(d.data for d in self.config.eval.eval_datasets)]
+        return any(d.image_key is not None for d in data)
 
     # -- engines (miles.ray.engine_fleet) ------------------------------------------------------
 

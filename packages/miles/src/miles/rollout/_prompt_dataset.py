@@ -16,6 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from miles.rollout.chat_template import ChatTemplate, check_template_settings
 from miles.rollout.mixture import MIXTURE_SUFFIXES, is_mixture_file, read_mixture
+from miles.rollout.prompt_images import (
+    IMAGE_PART_TYPES,
+    check_multimodal_keys,
+    place_images,
+    row_images,
+)
 from miles.rollout.rewards.sample_reward import SampleReward, check_row_reward
 
 if TYPE_CHECKING:
@@ -55,6 +61,11 @@ class DataSourceConfig:
     chat_template_path: str | None = None
     """A Jinja chat template file, used instead of the tokenizer's own; needs
     --apply-chat-template."""
+    multimodal_keys: dict[str, str] | None = None
+    """Media columns of the data, a JSON object from media type to column (upstream's flag), e.g.
+    '{"image": "images"}'. Each row's images (a path relative to the data file, a data: URL or
+    base64; one or a list) go to the engine and the trainer; the chat template places their
+    tokens (needs --apply-chat-template and a checkpoint with a vision tower)."""
     tool_key: str | None = None
     """Column holding each row's tools: a list of names of --tool-paths functions (for
     miles.rollout.tool_rollout); None: every row may call every tool."""
@@ -91,6 +102,17 @@ class DataSourceConfig:
             kwargs=self.apply_chat_template_kwargs,
             template_path=self.chat_template_path,
         )
+        check_multimodal_keys(self.multimodal_keys)
+        if self.multimodal_keys and not self.apply_chat_template:
+            raise ValueError(
+                "--multimodal-keys: images need the chat template to place their tokens; pass "
+                "--apply-chat-template"
+            )
+
+    @property
+    def image_key(self) -> str | None:
+        """The column of each row's images (--multimodal-keys), None for text-only data."""
+        return (self.multimodal_keys or {}).get("image")
 
     @property
     def mixture(self) -> list[MixtureSource] | None:
@@ -120,6 +142,8 @@ class PromptRecord:
     """The chat messages `prompt` was rendered from (None without --apply-chat-template)."""
     tools: list[str] | None = None
     """The names of the tools this row's rollout may call (--tool-key)."""
+    images: tuple[str, ...] = ()
+    """The row's images as data: URLs, in the order their tokens appear (--multimodal-keys)."""
 
 
 class PromptDataset:
@@ -143,12 +167,14 @@ class PromptDataset:
         labels_required: bool = False,
         context_length: int | None = None,
         reward: RewardConfig | None = None,
+        processor: Any = None,
     ) -> None:
         """`labels_required`: the reward reads the label, so a row without one is an error.
         `context_length`: the model's (prompt + response) token limit; a prompt that fills it
         is dropped (an engine refuses it). `reward`: the run's; a row naming its own in its
         metadata (`miles.rollout.rewards.sample_reward`) is checked against it, and needs a
-        label exactly when its own reward reads one."""
+        label exactly when its own reward reads one. `processor`: the checkpoint's (AutoProcessor),
+        which turns a row with images into token ids; needed with --multimodal-keys."""
         self.config = config
         path = Path(config.prompt_data)
         table, lines = _read_table(path)
@@ -166,11 +192,31 @@ class PromptDataset:
             if config.tool_key is None
             else table[_require_column(config.tool_key, "--tool-key", config, columns)]
         )
+        image_values = (
+            [None] * len(inputs)
+            if config.image_key is None
+            else table[
+                _require_column(config.image_key, "--multimodal-keys image", config, columns)
+            ]
+        )
+        if config.image_key is not None and processor is None:
+            raise ValueError(
+                "--multimodal-keys: the data has images but the checkpoint has no processor to "
+                "read them (a model with a vision tower saves one); check --hf-checkpoint"
+            )
 
         # Every bad row is found in one pass: a file is fixed in one go, not a row per run.
         bad = _BadRows(config.prompt_data)
         template = config.chat_template if config.apply_chat_template else None
         chats = [bad.attempt(row, _messages, where[row], v, config) for row, v in enumerate(inputs)]
+        data_dir = path.parent
+        images = [
+            bad.attempt(row, row_images, where[row], value, data_dir) or []
+            for row, value in enumerate(image_values)
+        ]
+        for row, chat in enumerate(chats):
+            if chat is not None and row not in bad:
+                chats[row] = bad.attempt(row, place_images, where[row], chat, len(images[row]))
         prompts = [
             ""
             if row in bad
@@ -181,6 +227,11 @@ class PromptDataset:
         # A chat template writes its own special tokens (BOS included, where the model has one);
         # plain text gets the tokenizer's usual ones, as an engine given the text would add.
         ids = tokenizer(prompts, add_special_tokens=not config.apply_chat_template)["input_ids"]
+        for row, row_images_ in enumerate(images):
+            if row_images_ and row not in bad:
+                # The processor expands each image's placeholder to one token per merged patch.
+                ids[row] = bad.attempt(row, _image_prompt_ids, where[row], processor, prompts[row],
+                                       row_images_) or []  # fmt: skip
 
         self._records: list[PromptRecord] = []
         self.own_rewards: dict[SampleReward, str] = {}
@@ -192,7 +243,7 @@ class PromptDataset:
                 continue
             record = bad.attempt(row, self._record, where[row], prompt, prompt_ids, labels[row],
                                  metadata[row], chats[row], tools[row], limits, labels_required,
-                                 reward)  # fmt: skip
+                                 reward, images[row])  # fmt: skip
             if isinstance(record, str):  # dropped by this length limit
                 self.dropped_by[record] += 1
             elif record is not None:
@@ -213,6 +264,7 @@ class PromptDataset:
         limits: dict[str, int],
         labels_required: bool,
         reward: RewardConfig | None,
+        images: list[str],
     ) -> PromptRecord | str:
         """Row `where` checked and ready, or the name of the length limit that drops it."""
         config = self.config
@@ -249,6 +301,7 @@ class PromptDataset:
             metadata=row_metadata,
             messages=chat,
             tools=_tool_names(where, tools, config),
+            images=tuple(images),
         )
 
     def _report_filter(self, *, total: int, lengths: list[int], limits: dict[str, int]) -> None:
@@ -460,11 +513,27 @@ def _tool_names(location: str, value: Any, config: DataSourceConfig) -> list[str
 
 
 def _is_message(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and isinstance(value.get("role"), str)
-        and isinstance(value.get("content"), str)
+    """A chat message: a role and a string content, or a list of text and image parts."""
+    if not (isinstance(value, dict) and isinstance(value.get("role"), str)):
+        return False
+    content = value.get("content")
+    return isinstance(content, str) or (
+        isinstance(content, list)
+        and all(
+            isinstance(p, dict) and p.get("type") in ("text", *IMAGE_PART_TYPES) for p in content
+        )
     )
+
+
+def _image_prompt_ids(where: str, processor: Any, prompt: str, images: list[str]) -> list[int]:
+    """The token ids of a prompt with images, as the model's processor makes them."""
+    from miles.backends.sglang_utils.image_data import decode_image
+
+    try:
+        encoded = processor(text=[prompt], images=[decode_image(i) for i in images])
+    except (ValueError, TypeError) as err:  # e.g. placeholders and images disagree
+        raise ValueError(f"{where}: the model's processor refuses the row: {err}") from None
+    return list(encoded["input_ids"][0])
 
 
 def _describe(value: Any) -> str:

@@ -187,6 +187,7 @@ class RolloutDataSource:
                     label=record.label,
                     metadata=copy.deepcopy(metadata),
                     messages=copy.deepcopy(record.messages),
+                    images=list(record.images) or None,
                 )
             )
             self._next_sample_index += 1

@@ -70,6 +70,8 @@ async def generate_sample(
     }
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if sample.images:  # SGLang's field; the prompt's ids hold the processor's image tokens
+        payload["image_data"] = sample.images
     response = await pool.generate(payload)
     return append_response(sample, response)
 

@@ -77,6 +77,8 @@ class SingleTurnRollout(SampleRollout):
             }
             if config.return_routed_experts:
                 payload["return_routed_experts"] = True
+            if any(s.images for s in group):  # one entry per request, as SGLang's batch form
+                payload["image_data"] = [s.images for s in group]
             responses = await ctx.pool.generate(payload)
         if not isinstance(responses, list) or len(responses) != len(group):
             raise ValueError(

@@ -47,6 +47,21 @@ def load_tokenizer(path: str) -> Any:
         return _TOKENIZERS[path]
 
 
+def load_processor(path: str) -> Any:
+    """The checkpoint's processor (`AutoProcessor`: for a vision-language model, its image
+    processor with its tokenizer and chat template), loaded once per process; None when the
+    checkpoint has no processor beyond its tokenizer."""
+    with _LOCK:
+        key = f"processor:{path}"
+        if key not in _TOKENIZERS:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(path)
+            # A text model's AutoProcessor is its tokenizer: it reads no images.
+            _TOKENIZERS[key] = processor if hasattr(processor, "image_processor") else None
+        return _TOKENIZERS[key]
+
+
 def direct_tokenizer_class(path: str) -> str | None:
     """The tokenizer class `AutoTokenizer` would load for the local checkpoint at `path`, when
     that needs no config machinery to decide; None: ask `AutoTokenizer`."""

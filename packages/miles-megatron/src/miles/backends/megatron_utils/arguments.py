@@ -151,9 +151,14 @@ _GDN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"
 
 def _check_model_family(hf_config: Any) -> None:
     """Refuse, in one line naming the FSDP backend, the families the local layer spec cannot
-    build: Gated DeltaNet hybrids and Mixture-of-Experts models (their converters, expert
+    build: vision-language models, Gated DeltaNet hybrids and Mixture-of-Experts models (their converters, expert
     routing and linear-attention layers are not written here)."""
     model_type = getattr(hf_config, "model_type", None)
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(
+            f"the Megatron backend does not train vision-language models ({model_type}); use "
+            "--train-backend fsdp"
+        )
     layer_types = getattr(hf_config, "layer_types", None) or ()
     if model_type in _GDN_MODEL_TYPES or "linear_attention" in layer_types:
         raise ValueError(

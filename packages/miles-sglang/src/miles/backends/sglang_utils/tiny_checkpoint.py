@@ -3,7 +3,8 @@
 `build_tiny_checkpoint` writes a Hugging Face directory (config, safetensors weights, tokenizer)
 that `AutoModelForCausalLM.from_pretrained`, the reference engine and the trainers load like any
 hub checkpoint. The tokenizer is a byte-level BPE with no merges (every byte is a token, as in
-GPT-2/Qwen before merges) plus the chat special tokens, so any text round-trips.
+GPT-2/Qwen before merges) plus the chat special tokens, so any text round-trips
+(`tiny_tokenizer`); vision-language checkpoints come from `tiny_vlm`.
 """
 
 from __future__ import annotations
@@ -12,50 +13,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
-from miles.backends.sglang_utils.byte_level import char_to_byte
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen-style chat template: what `--apply-chat-template` renders for the tiny models. With tools it
-# lists them in the system turn and writes calls and results as Qwen's templates do
-# (`<tool_call>{json}</tool_call>`, `<tool_response>...</tool_response>`); without tools, calls or
-# tool results it renders exactly the plain ChatML of earlier versions.
-CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
-    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
-    'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if tools and loop.first and message['role'] == 'system' %}"
-    "{% elif message['role'] == 'tool' %}"
-    "<|im_start|>tool\n<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "{% for call in message['tool_calls'] or [] %}<tool_call>"
-    '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
-    "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: 256 byte tokens, then the special tokens (ids 256, 257, 258)."""
-    vocab = dict(char_to_byte())
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+from miles.backends.sglang_utils.tiny_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
+from miles.backends.sglang_utils.tiny_vlm import TINY_VLMS, build_tiny_vlm
 
 
 def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:
@@ -108,9 +69,6 @@ def build_tiny_checkpoint(
     """Write a randomly initialised (seeded) tiny checkpoint of `architecture` (a key of
     TINY_CONFIGS, or of tiny_vlm.TINY_VLMS for a vision-language model with its processor) and
     its tokenizer to `path`."""
-    # Imported here: tiny_vlm builds on this module's tokenizer.
-    from miles.backends.sglang_utils.tiny_vlm import TINY_VLMS, build_tiny_vlm
-
     if architecture in TINY_VLMS:
         return build_tiny_vlm(path, seed=seed, architecture=architecture, **config_overrides)
     if architecture not in TINY_CONFIGS:
@@ -161,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=build_tiny_checkpoint.__doc__)
     parser.add_argument("out", help="directory to write the checkpoint to")
     parser.add_argument("--seed", type=int, default=0)
-    from miles.backends.sglang_utils.tiny_vlm import TINY_VLMS
-
     parser.add_argument(
         "--architecture", choices=sorted([*TINY_CONFIGS, *TINY_VLMS]), default="qwen3"
     )

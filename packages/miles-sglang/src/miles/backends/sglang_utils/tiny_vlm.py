@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForImageTextToText, PreTrainedTokenizerFast
 
-from miles.backends.sglang_utils.tiny_checkpoint import SPECIAL_TOKENS, build_byte_tokenizer
+from miles.backends.sglang_utils.tiny_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + len(VISION_TOKENS)

@@ -58,6 +58,9 @@ class RolloutBatch(_RequiredColumns, total=False):
     teacher_top_log_probs: list[list[list[float]]]
     """The teacher's log-probs of `teacher_top_ids`, K per response token; only when every sample
     has them."""
+    images: list[list[str]]
+    """Each sample's images (`Sample.images`, [] for a text-only sample); only when some sample
+    of the batch has images."""
     routed_experts: list[str]
     """The engine's MoE routing (base64, SGLang's encoding); only when every sample has it
     (--use-rollout-routing-replay)."""
@@ -85,6 +88,7 @@ ROLLOUT_BATCH_KEYS: tuple[str, ...] = (
     "teacher_log_probs",
     "teacher_top_ids",
     "teacher_top_log_probs",
+    "images",
     "routed_experts",
     "sample_indices",
     "weight_versions",
@@ -152,6 +156,8 @@ def samples_to_rollout_batch(samples: list[Sample], rewards: list[float]) -> Rol
         elif any(v is not None for v in values):
             missing = [s.index for s, v in zip(samples, values, strict=True) if v is None]
             raise ValueError(f"samples {missing[:8]} have no {column} while others do; {hint}")
+    if any(s.images for s in samples):  # a mixed batch: text-only samples have none
+        batch["images"] = [list(s.images or ()) for s in samples]
     return batch
 
 

@@ -73,6 +73,10 @@ class Sample:
     messages: list[dict[str, Any]] | None = None
     """The prompt as chat messages, when a chat template rendered it: what a multi-turn rollout
     continues the conversation from."""
+    images: list[str] | None = None
+    """The prompt's images, in the order their tokens appear in `tokens`, each as SGLang's
+    `image_data` carries it (a data: URL or base64 of the file); None for a text-only prompt.
+    The engine and the trainer decode the same bytes with the model's processor."""
     routed_experts: str | None = None
     """A MoE model's routing as the engine reported it (SGLang's `meta_info["routed_experts"]`:
     base64 of int32 (len(tokens) - 1, layers, top_k)); what routing replay (R3) trains with."""
