@@ -111,25 +111,36 @@ def sample_log_probs(model, tokens: list[int], response_length: int, temperature
     )
 
 
-def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[float], dict]:
-    """Plain transformers, one unpacked document at a time: grads per step, norms, final params."""
+def reference_training(
+    args: InitArgs, batch: dict, *, model=None, log_probs_of=None
+) -> tuple[list[dict], list[float], dict]:
+    """Plain transformers, one unpacked document at a time: grads per step, norms, final params.
+    `model` (default: the checkpoint as a causal LM) and `log_probs_of(model, row)` (default: an
+    unpacked forward of the row's tokens) let another kind of model (a VLM) be the reference."""
     from transformers import AutoModelForCausalLM
 
     from miles.backends.training_utils.algorithms.algorithm import compute_advantages_and_returns
     from miles.backends.training_utils.algorithms.loss import LossNormalizer, policy_loss
 
     fsdp, temperature = args.fsdp, args.spec.rollout_temperature
-    model = AutoModelForCausalLM.from_pretrained(
-        args.spec.hf_checkpoint, dtype=torch.float32, attn_implementation=fsdp.attn_implementation
-    )
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.spec.hf_checkpoint, dtype=torch.float32,
+            attn_implementation=fsdp.attn_implementation,
+        )  # fmt: skip
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=fsdp.lr, betas=(fsdp.adam_beta1, fsdp.adam_beta2),
         eps=fsdp.adam_eps, weight_decay=fsdp.weight_decay,
     )  # fmt: skip
     batch = dict(batch)
     documents = list(zip(batch["tokens"], batch["response_lengths"], strict=True))
+    if log_probs_of is None:
+
+        def log_probs_of(model, row):
+            return sample_log_probs(model, *documents[row], temperature)
+
     with torch.no_grad():
-        old = [sample_log_probs(model, t, r, temperature)[0] for t, r in documents]
+        old = [log_probs_of(model, row)[0] for row in range(len(documents))]
     batch["old_log_probs"], batch["ref_log_probs"] = old, old  # the reference model is the start
     compute_advantages_and_returns(batch, args.loss, group=None)
     grads, norms = [], []
@@ -138,7 +149,7 @@ def reference_training(args: InitArgs, batch: dict) -> tuple[list[dict], list[fl
         tokens = sum(sum(batch["loss_mask"][i]) for i in rows)
         normalizer = LossNormalizer(num_samples=GLOBAL_BATCH, num_tokens=tokens, dp_size=1)
         for i in rows:
-            log_probs, entropy = sample_log_probs(model, *documents[i], temperature)
+            log_probs, entropy = log_probs_of(model, i)
             inputs = {
                 "log_probs": log_probs,
                 "entropy": entropy,

@@ -42,6 +42,9 @@ class FSDPArgs(TrainerArgs):
     """Ranks that split one sequence; the FSDP backend supports only 1 for now."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """transformers attention kernel of the trained model."""
+    freeze_vision_tower: bool = False
+    """A vision-language model trains its language model only: the vision encoder's weights stay
+    as the checkpoint has them (no gradients, no optimizer state)."""
     share_prompt_forward: bool = True
     """Forward a prompt once for all the samples of a micro-batch that share it (a GRPO group),
     each response attending to its KV cache, instead of once per sample: the same log-probs and

@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from miles.backends.fsdp_utils.lora import has_adapters, merged_state_dict
 from miles.backends.fsdp_utils.param_names import hf_parameter_name
+from miles.backends.fsdp_utils.vision import checkpoint_names, is_vision_language
 from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
@@ -294,12 +295,16 @@ def export_hf(
         tensors = _hf_tensors(
             model, full_state, dtype, tie=bool(getattr(config, "tie_word_embeddings", False))
         )
+        renames = checkpoint_names(config)  # a VLM's weights as its hub checkpoint names them
+        tensors = {renames.get(name, name): tensor for name, tensor in tensors.items()}
         _write_safetensors(tensors, out)
         _write_config(model, config, dtype, out)
         if tokenizer_path is not None:
-            from transformers import AutoTokenizer  # only export needs the tokenizer machinery
+            # Only export needs the tokenizer machinery; a VLM's processor holds its tokenizer.
+            from transformers import AutoProcessor, AutoTokenizer
 
-            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
+            auto = AutoProcessor if is_vision_language(config) else AutoTokenizer
+            auto.from_pretrained(tokenizer_path).save_pretrained(out)
         logger.info("exported %d tensors (%s) to %s", len(tensors), dtype, out)
     _barrier()  # the directory is complete before any rank returns
 
@@ -321,7 +326,12 @@ def export_checkpoint_to_hf(
     its adapters only: they go onto `hf_checkpoint`'s weights, and the export is the merged
     model, or with `adapter_only` the PEFT adapter directory.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     path = Path(checkpoint)
     if not (path / META_FILE).is_file():
@@ -354,7 +364,12 @@ def export_checkpoint_to_hf(
         if value_model:
             config.num_labels = 1
             config.classifier_dropout = 0.0  # as it trained (modeling.build_fsdp_model)
-        auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+        if value_model:
+            auto = AutoModelForTokenClassification
+        elif is_vision_language(config):
+            auto = AutoModelForImageTextToText
+        else:
+            auto = AutoModelForCausalLM
         model = auto.from_config(config, torch_dtype=torch.float32)
         state = get_model_state_dict(model)
         _dcp_load(state, path / "model")

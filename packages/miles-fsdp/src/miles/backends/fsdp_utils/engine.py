@@ -51,6 +51,7 @@ from miles.backends.fsdp_utils.prompt_sharing import (
 )
 from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
+from miles.backends.fsdp_utils.vision import VisionInputs, checkpoint_names, is_vision_language
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
 from miles.backends.training_utils.batching.packing import PackedBatch
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
@@ -114,6 +115,15 @@ class FSDPEngine:
         self.lora: LoraArgs | None = args if args.uses_lora else None
         self.value_model = value_model
         self.model = self._build_model(meshes["fsdp"], trainable=True)
+        config = self.model.config
+        # A VLM: its images' pixel inputs for every forward, and its weights under the names of
+        # its checkpoint (which transformers renames on load) for weight sync.
+        self.vision = (
+            VisionInputs(spec.hf_checkpoint, config)
+            if is_vision_language(config) and not value_model
+            else None
+        )
+        self.checkpoint_names = checkpoint_names(config)
         self.routing = (
             PackedRouting(self.model, spec.routing_replay, args.attn_implementation)
             if spec.routing_replay is not None
@@ -181,6 +191,7 @@ class FSDPEngine:
             trainable=trainable,
             lora=self.lora if trainable else None,
             value_head=self.value_model,
+            freeze_vision_tower=self.args.freeze_vision_tower and trainable,
         )
 
     def _moe_stats(self, args: FSDPArgs) -> MoEStats | None:
@@ -222,9 +233,11 @@ class FSDPEngine:
             if shared is not None:
                 logits = shared_prompt_logits(model, shared, self.device)  # (sum R, V)
             else:
+                vision = self.vision
                 logits = packed_logits(
                     model, packed, attn_implementation=self.args.attn_implementation,
                     device=self.device, positions=positions,
+                    vision=None if vision is None else lambda rows: vision.of(micro, rows, self.device),
                 )  # (sum R, V): only where a response token is predicted  # fmt: skip
         if self.value_model:  # (sum R, 1): the value of the state before each response token
             values = logits[:, 0].float()
@@ -376,9 +389,14 @@ class FSDPEngine:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         if self.lora is not None:
             # The base never changes: only the adapted layers, merged, are new to an engine.
-            return merged_weights(self.model, self.engine_dtype)
-        # Engines take MoE experts per expert, as checkpoints hold them (SGLang's loaders).
-        return split_fused_experts(iter_full_tensors(self.model, self.engine_dtype))
+            weights = merged_weights(self.model, self.engine_dtype)
+        else:
+            # Engines take MoE experts per expert, as checkpoints hold them (SGLang's loaders).
+            weights = split_fused_experts(iter_full_tensors(self.model, self.engine_dtype))
+        if not self.checkpoint_names:
+            return weights
+        renames = self.checkpoint_names
+        return ((renames.get(name, name), tensor) for name, tensor in weights)
 
     def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(PEFT name, full float32 tensor) of every adapter matrix (--lora-sync adapter);

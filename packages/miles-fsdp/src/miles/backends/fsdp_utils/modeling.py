@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,11 +16,17 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
+)
 
 from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
 from miles.backends.fsdp_utils.lora import add_adapters
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
+from miles.backends.fsdp_utils.vision import idle_tower_term, is_vision_language, vision_tower
 from miles.backends.training_utils.batching.packing import PackedBatch
 from miles.config.lora_args import LoraArgs
 
@@ -38,6 +45,7 @@ def build_fsdp_model(
     trainable: bool = True,
     lora: LoraArgs | None = None,
     value_head: bool = False,
+    freeze_vision_tower: bool = False,
 ) -> nn.Module:
     """Load the checkpoint on rank 0, shard it over `mesh`, and give every rank its shards.
 
@@ -53,8 +61,19 @@ def build_fsdp_model(
     """
     rank = dist.get_rank()
     head = {"num_labels": 1} if value_head else {}
-    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     config = AutoConfig.from_pretrained(hf_checkpoint, **head)
+    vision_language = is_vision_language(config)
+    if value_head and vision_language:
+        raise ValueError(
+            f"{hf_checkpoint} is a vision-language model ({config.model_type}); a PPO critic "
+            "built from it is not supported: use a text model as --critic-hf-checkpoint"
+        )
+    if value_head:
+        auto = AutoModelForTokenClassification
+    elif vision_language:  # the vision tower, its projector and the language model
+        auto = AutoModelForImageTextToText
+    else:
+        auto = AutoModelForCausalLM
     if value_head:
         # transformers' token-classification head drops 10% of the final hidden states in
         # training unless the config says otherwise: a regression target fitted through noise
@@ -74,6 +93,15 @@ def build_fsdp_model(
                 config, dtype=torch.float32, attn_implementation=attn_implementation
             )
     model.config.use_cache = False
+    if freeze_vision_tower:
+        if not vision_language:
+            raise ValueError(
+                f"--freeze-vision-tower: {hf_checkpoint} ({config.model_type}) has no vision "
+                "tower; drop the flag"
+            )
+        # Before sharding: FSDP keeps each parameter's requires_grad, and the optimizer is built
+        # from the trainable ones only.
+        vision_tower(model).requires_grad_(False)
     enable_gdn_packing(model)  # before the forward ever sees a packed row
     if lora is not None:
         add_adapters(model, lora, load_weights=rank == 0)
@@ -203,6 +231,7 @@ def packed_logits(
     attn_implementation: str,
     device: torch.device,
     positions: torch.Tensor | None = None,
+    vision: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """(T, V) logits of a packed row, each document attending only to itself; with `positions`
     (indices into the packed row) only those rows, (len(positions), V), in that order.
@@ -219,9 +248,13 @@ def packed_logits(
     `positions` is handed to the model's own head as `logits_to_keep`, so the output projection
     (and its (T, V) activation and gradient, the largest of a step with a large vocabulary) runs
     only where a loss reads it: RL reads the response positions, not the prompt's.
+
+    `vision`: a vision-language model's image keywords for the padded rows (`VisionInputs.of`).
+    Such a model always runs padded rows: its multimodal rotary positions are computed per row
+    from the image grids and the attention mask, which also keeps padding out of them.
     """
     keeps = positions is not None and _takes_logits_to_keep(model)
-    if runs_as_one_row(model, attn_implementation):
+    if vision is None and runs_as_one_row(model, attn_implementation):
         input_ids = packed.input_ids.to(device)  # (1, T)
         position_ids = packed.position_ids.to(device)  # (1, T)
         segments = boundary_kwargs(packed.cu_seqlens_with_padding.to(device), packed.max_seqlen)
@@ -234,6 +267,15 @@ def packed_logits(
     documents = packed.input_ids[0, : int(packed.cu_seqlens[-1])].split(lengths)
     rows = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True).to(device)  # (B, L)
     position_ids = torch.arange(rows.shape[1], device=device).expand_as(rows)  # (B, L)
+    inputs: dict[str, torch.Tensor] = {"position_ids": position_ids}
+    idle_tower = None
+    if vision is not None:
+        real = position_ids < torch.tensor(lengths, device=device).unsqueeze(-1)
+        inputs = {"attention_mask": real.long(), **vision(rows)}
+        if "pixel_values" not in inputs:
+            # No image here: the tower still runs (on a blank one), first, as it would on images,
+            # so that every rank gathers and reduces its FSDP units in the same order.
+            idle_tower = idle_tower_term(model, device)
     if keeps:
         # Packed position p of document d is column p - start(d) of row d. The head runs on the
         # columns any row needs (a prompt's columns below the shortest prompt are skipped).
@@ -241,13 +283,13 @@ def packed_logits(
         column = positions - packed.cu_seqlens[document]
         columns, index = torch.unique(column, return_inverse=True)
         logits = model(
-            input_ids=rows,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=columns.to(device),
+            input_ids=rows, use_cache=False, logits_to_keep=columns.to(device), **inputs
         ).logits  # (B, len(columns), V)
-        return logits[document.to(device), index.to(device)]  # one gather (see below)
-    logits = model(input_ids=rows, position_ids=position_ids, use_cache=False).logits  # (B, L, V)
+        kept = logits[document.to(device), index.to(device)]  # one gather (see below)
+        return kept if idle_tower is None else kept + idle_tower
+    logits = model(input_ids=rows, use_cache=False, **inputs).logits  # (B, L, V)
+    if idle_tower is not None:
+        logits = logits + idle_tower
     # One boolean gather (row-major: the documents in order), not one slice per document: each
     # slice's backward writes a zero (B, L, V) gradient and adds it up, O(B^2) in the batch.
     real = position_ids < torch.tensor(lengths, device=device).unsqueeze(-1)  # (B, L)

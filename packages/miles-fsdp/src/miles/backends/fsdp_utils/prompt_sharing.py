@@ -148,6 +148,8 @@ def prompt_sharing_unsupported(
     packs_one_row: bool,
 ) -> str | None:  # fmt: skip
     """Why this model cannot forward a shared prompt once (None: it can)."""
+    if getattr(model.config, "vision_config", None) is not None:
+        return "a vision-language model's prompts carry images, which the shared forward omits"
     if attn_implementation not in ("sdpa", "eager"):
         return f"--attn-implementation {attn_implementation} (sdpa and eager take its mask)"
     if packs_one_row:

@@ -1,0 +1,128 @@
+"""Vision-language models on the FSDP backend: their images' pixel inputs, their frozen tower, and
+their parameters under the checkpoint's names.
+
+(architecture.md: "Contracts / Data", images)
+
+A sample's images travel as SGLang's `image_data` strings (`Sample.images`); its tokens already
+hold the processor's image tokens (one per merged patch), so micro-batch budgets, which count
+tokens, count them too. Here each image is turned into the processor's pixel values and grid, the
+same call the rollout side's processor made, so the policy sees what the engine saw.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from miles.backends.sglang_utils.image_data import decode_image
+from miles.backends.training_utils.batching.rollout_data import RolloutBatch
+
+# Decoded and processed images kept per rank: a rollout's images are read by the old-policy,
+# reference and training forwards of the same step (three passes), and a group shares its prompt.
+_PROCESSED_IMAGES = 1024
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a Hugging Face config is a vision-language model's (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+class VisionInputs:
+    """The pixel inputs of a micro-batch's images, as the checkpoint's processor makes them."""
+
+    def __init__(self, hf_checkpoint: str, config: Any) -> None:
+        from transformers import AutoProcessor
+
+        self.image_processor = AutoProcessor.from_pretrained(hf_checkpoint).image_processor
+        self.image_token_id = int(config.image_token_id)
+        self._process = functools.lru_cache(maxsize=_PROCESSED_IMAGES)(self._process_one)
+
+    def _process_one(self, image: str) -> tuple[Tensor, Tensor]:
+        out = self.image_processor(images=[decode_image(image)], return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def of(self, micro: RolloutBatch, rows: Tensor, device: torch.device) -> dict[str, Tensor]:
+        """The forward's image keywords for `rows` (B, L), the micro-batch's documents as padded
+        rows in order: pixel values and grids of every image, row by row, and the token types
+        the model's multimodal rotary positions are computed from. Empty without images."""
+        images = [image for row in micro.get("images", ()) for image in row]
+        if not images:
+            return {}
+        processed = [self._process(image) for image in images]
+        return {
+            "pixel_values": torch.cat([p for p, _ in processed]).to(device),
+            "image_grid_thw": torch.cat([g for _, g in processed]).to(device),
+            # 1 marks an image token (transformers' convention; 2 would be video).
+            "mm_token_type_ids": (rows == self.image_token_id).int(),
+        }
+
+
+def idle_tower_term(model: nn.Module, device: torch.device) -> Tensor:
+    """Zero, computed through the vision tower on a blank 2x2-patch image: what a forward without
+    images adds to its logits.
+
+    Each vision block is an FSDP unit. A rank whose micro-batch has no image would skip their
+    all-gathers (and in backward their reduce-scatters) while a rank with images makes them: the
+    collectives would pair up wrongly. Run first, this keeps the order of a forward with images;
+    its gradients are zeros, so what trains is unchanged."""
+    vision = model.config.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    merge = vision.spatial_merge_size
+    grid = torch.tensor([[1, merge, merge]], device=device)
+    pixels = torch.zeros(merge * merge, patch, device=device)
+    features = model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
+    return 0.0 * sum(t.float().sum() for t in _tensors(features))
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """Every tensor in a model output (a ModelOutput, tuple or list, nested)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if hasattr(value, "values"):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The model's vision encoder (`visual` in Qwen-VL models, wherever the class nests it)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "visual":
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has no `visual` module: --freeze-vision-tower needs a "
+        "Qwen-VL-style model with a vision tower"
+    )
+
+
+def checkpoint_names(config: Any) -> dict[str, str]:
+    """In-memory parameter name -> the name the checkpoint on disk (and SGLang's loader) uses, for
+    a vision-language model's `config`; {} (names unchanged) for any other model.
+
+    transformers 5 renames some architectures' weights on load (Qwen2.5-VL's `visual.*` becomes
+    `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and reverses it on
+    save; weight sync and export must speak the checkpoint's names. The reversal is transformers'
+    own, run on the names of a model built on the meta device (each tensor a distinct marker), so
+    every rank computes the same map without weights. A conversion that merges or splits tensors
+    is not a renaming, and is refused here."""
+    if not is_vision_language(config):
+        return {}
+    from transformers import AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    names = list(model.state_dict().keys())
+    markers = {name: torch.tensor([index]) for index, name in enumerate(names)}
+    reverted = revert_weight_conversion(model, markers)
+    if len(reverted) != len(names):
+        raise ValueError(
+            f"{type(model).__name__}: transformers' checkpoint conversion maps {len(names)} "
+            f"weights to {len(reverted)}; weight sync renames weights but cannot merge or split "
+            "them for this architecture"
+        )
+    return {names[int(marker)]: name for name, marker in reverted.items()}

@@ -1,0 +1,187 @@
+"""A tiny Qwen2.5-VL on the FSDP backend, 2 gloo ranks, image samples beside text ones: a train
+step's gradients equal an unpacked single-process Hugging Face reference, resume is exact, the HF
+export round-trips under the hub's names, weight sync speaks them too, and
+--freeze-vision-tower trains the language model alone."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from pathlib import Path
+
+import torch
+
+from .distributed import run_distributed
+from .test_actor import (
+    SAMPLES,
+    capture_full_grads,
+    full_params,
+    local_shard,
+    make_actor,
+    make_args,
+    reference_training,
+)
+
+COLOURS = ("red", "green", "blue", "yellow")
+
+
+def build_vlm(path: Path) -> Path:
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(path, architecture="qwen2_5_vl", seed=0)
+
+
+def image_data(rng: random.Random) -> str:
+    from PIL import Image, ImageDraw
+
+    size = (rng.choice((56, 84, 112)), rng.choice((56, 84)))  # grids of several shapes
+    image = Image.new("RGB", size, "white")
+    x, y = rng.randrange(size[0] - 20), rng.randrange(size[1] - 20)
+    ImageDraw.Draw(image).ellipse((x, y, x + 20, y + 20), fill=rng.choice(COLOURS))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def make_image_batch(checkpoint: Path, seed: int = 0) -> dict[str, list]:
+    """SAMPLES documents: prompts with one or two images (and every fourth text-only) through the
+    model's processor, random responses, some response tokens masked out."""
+    from transformers import AutoProcessor
+
+    from miles.backends.sglang_utils.image_data import decode_image
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    rng = random.Random(seed)
+    batch: dict[str, list] = {k: [] for k in ("tokens", "response_lengths", "total_lengths")}
+    batch.update(loss_mask=[], rewards=[], images=[])
+    for row in range(SAMPLES):
+        images = [] if row % 4 == 3 else [image_data(rng) for _ in range(rng.choice((1, 2)))]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"q{row}?"}]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        pixels = [decode_image(i) for i in images] or None
+        prompt = processor(text=[text], images=pixels)["input_ids"][0]
+        response = rng.randint(2, 6)
+        mask = [1] * response
+        mask[rng.randrange(response)] = rng.choice([0, 1])
+        batch["tokens"].append([*prompt, *(rng.randrange(256) for _ in range(response))])
+        batch["response_lengths"].append(response)
+        batch["total_lengths"].append(len(batch["tokens"][-1]))
+        batch["loss_mask"].append(mask)
+        batch["rewards"].append(rng.uniform(-1, 1))
+        batch["images"].append(images)
+    return batch
+
+
+def vlm_log_probs(processor, batch: dict, temperature: float):
+    """`log_probs_of(model, row)` for the reference: one unpacked forward of a row with the
+    processor's pixel inputs, as a user of transformers would run it."""
+    from miles.backends.sglang_utils.image_data import decode_image
+    from miles.backends.training_utils.step.logprobs import get_log_probs_and_entropy
+
+    def log_probs_of(model, row):
+        tokens, images = batch["tokens"][row], batch["images"][row]
+        ids = torch.tensor([tokens])
+        inputs = {"input_ids": ids}
+        if images:
+            pixels = processor.image_processor(
+                images=[decode_image(i) for i in images], return_tensors="pt"
+            )
+            inputs.update(pixels, mm_token_type_ids=(ids == model.config.image_token_id).int())
+        logits = model(**inputs).logits[0]
+        end, response = len(tokens) - 1, batch["response_lengths"][row]
+        positions = torch.arange(end - response, end)
+        return get_log_probs_and_entropy(
+            logits[positions], ids[0, positions + 1], temperature=temperature
+        )
+
+    return log_probs_of
+
+
+def _vlm_life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    batch = make_image_batch(checkpoint)
+    # Dynamic micro-batches: several documents (and their images) per forward.
+    args = make_args(checkpoint, use_dynamic_batch_size=True, max_tokens_per_gpu=160)
+    args = args.with_paths(save=str(save_dir))
+    actor, _ = make_actor(rank, 2, args)
+    captured = capture_full_grads(actor)
+    steps = actor.train(0, local_shard(batch, rank, 2))
+    step_grads = list(captured)  # the hook goes on capturing the later steps
+    trained = full_params(actor.engine.model)
+    synced = {name: tensor.shape for name, tensor in actor.engine.named_weights()}
+    actor.save_model(0)
+    next_steps = actor.train(1, local_shard(batch, rank, 2))
+    resumed, resumed_start = make_actor(rank, 2, args.with_paths(load=str(save_dir)))
+    resumed_steps = resumed.train(1, local_shard(batch, rank, 2))
+    resumed.export_hf(export_dir)
+    final = full_params(resumed.engine.model)
+
+    frozen_args = make_args(checkpoint, freeze_vision_tower=True)
+    frozen, _ = make_actor(rank, 2, frozen_args)
+    before = full_params(frozen.engine.model)
+    frozen.train(0, local_shard(batch, rank, 2))
+    after = full_params(frozen.engine.model)
+    frozen_moved = {
+        part: any(not torch.equal(before[n], after[n]) for n in before if (".visual." in n) == vis)
+        for part, vis in (("vision", True), ("language", False))
+    }
+    result = {"resumed_start": resumed_start, "frozen_moved": frozen_moved,
+              "next_losses": [s["train/loss"] for s in next_steps],
+              "resumed_losses": [s["train/loss"] for s in resumed_steps]}  # fmt: skip
+    if rank != 0:
+        return result
+    with safe_open(checkpoint / "model.safetensors", "pt") as weights:
+        hub_names = set(weights.keys())
+    model = AutoModelForImageTextToText.from_pretrained(export_dir, dtype=torch.float32)
+    exported = {n: p.detach() for n, p in model.named_parameters()}
+    with safe_open(export_dir / "model.safetensors", "pt") as weights:
+        export_names = set(weights.keys())
+    ref_model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
+    temperature = args.spec.rollout_temperature
+    log_probs_of = vlm_log_probs(AutoProcessor.from_pretrained(checkpoint), batch, temperature)
+    ref_grads, ref_norms, ref_params = reference_training(
+        args, batch, model=ref_model, log_probs_of=log_probs_of
+    )
+    return {
+        **result,
+        "norms": [m["train/grad_norm"] for m in steps], "ref_norms": ref_norms,
+        "grad_diff": [_max_rel_diff(c, r) for c, r in zip(step_grads, ref_grads, strict=True)],
+        "param_diff": _max_rel_diff(trained, ref_params),
+        "synced_names_are_hub_names": set(synced) <= hub_names and len(synced) == len(hub_names),
+        "export_names_are_hub_names": export_names == hub_names,
+        "export_matches": exported.keys() == final.keys()
+        and all(torch.equal(final[n], exported[n]) for n in exported),
+    }  # fmt: skip
+
+
+def _max_rel_diff(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys(), f"parameter names differ: {got.keys() ^ want.keys()}"
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12)) for k in want
+    )
+
+
+def test_a_tiny_vlm_trains_like_the_unpacked_reference_resumes_exports_and_freezes(tmp_path):
+    checkpoint = build_vlm(tmp_path / "vlm")
+    results = run_distributed(
+        _vlm_life_cycle, 2, checkpoint, tmp_path / "save", tmp_path / "export", timeout_s=300
+    )
+    rank0 = results[0]
+    # Packed, sharded over two ranks, several images per micro-batch: the same gradients and
+    # steps as transformers' own forward of one document at a time (float32 rounding).
+    torch.testing.assert_close(rank0["norms"], rank0["ref_norms"], rtol=1e-4, atol=0)
+    assert max(rank0["grad_diff"]) < 1e-4, rank0["grad_diff"]
+    # Two AdamW steps on: Adam divides each gradient entry by its own running magnitude, so the
+    # rounding of entries near zero reaches the update undamped.
+    assert rank0["param_diff"] < 1e-3, rank0["param_diff"]
+    assert rank0["synced_names_are_hub_names"], "weight sync must use the checkpoint's names"
+    assert rank0["export_names_are_hub_names"] and rank0["export_matches"]
+    for result in results:
+        assert result["resumed_start"] == 1
+        assert result["resumed_losses"] == result["next_losses"]
+        assert result["frozen_moved"] == {"vision": False, "language": True}
