@@ -185,3 +185,18 @@ def test_a_tiny_vlm_trains_like_the_unpacked_reference_resumes_exports_and_freez
         assert result["resumed_start"] == 1
         assert result["resumed_losses"] == result["next_losses"]
         assert result["frozen_moved"] == {"vision": False, "language": True}
+
+
+def test_vlm_settings_the_backends_cannot_honour_are_refused_before_start_up(tmp_path):
+    import pytest
+
+    from miles.backends.fsdp_utils.arguments import FSDPArgs
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    vlm = build_vlm(tmp_path / "vlm")
+    text = build_tiny_checkpoint(tmp_path / "text")
+    with pytest.raises(ValueError, match=r"\(qwen3\) has no vision tower; drop the flag"):
+        FSDPArgs(freeze_vision_tower=True).check_checkpoint(str(text))
+    FSDPArgs(freeze_vision_tower=True).check_checkpoint(str(vlm))
+    with pytest.raises(ValueError, match="LoRA on a vision-language model"):
+        FSDPArgs(lora_rank=4).check_checkpoint(str(vlm))

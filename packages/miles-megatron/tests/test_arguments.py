@@ -242,3 +242,15 @@ def test_padded_vocab_is_the_smallest_aligned_size_that_fits(vocab, divisible_by
 def test_lora_is_refused_naming_the_fsdp_backend():
     with pytest.raises(ValueError, match=r"^--lora-rank 8: .*use --train-backend fsdp$"):
         MegatronArgs(lora_rank=8)
+
+
+def test_a_vision_language_model_is_refused_naming_the_fsdp_backend(tmp_path):
+    from transformers import AutoConfig
+
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+
+    config = AutoConfig.from_pretrained(build_tiny_checkpoint(tmp_path, architecture="qwen2_5_vl"))
+    with pytest.raises(
+        ValueError, match=r"vision-language models \(qwen2_5_vl\); use --train-backend fsdp"
+    ):
+        validate_against_hf(MegatronArgs(), config, world_size=1)

@@ -78,6 +78,20 @@ class FSDPArgs(TrainerArgs):
             )
 
     def check_checkpoint(self, hf_checkpoint: str) -> None:
+        from miles.utils.hf_config import hf_config_value
+
+        model_type = hf_config_value(hf_checkpoint, "model_type")  # None: a hub id, read later
+        vision = hf_config_value(hf_checkpoint, "vision_config") is not None
+        if self.freeze_vision_tower and model_type is not None and not vision:
+            raise ValueError(
+                f"--freeze-vision-tower: {hf_checkpoint} ({model_type}) has no vision tower; "
+                "drop the flag"
+            )
+        if self.uses_lora and vision:
+            raise ValueError(
+                f"--lora-rank {self.lora_rank}: LoRA on a vision-language model ({model_type}) "
+                "is not supported yet; train it fully (optionally --freeze-vision-tower)"
+            )
         if self.uses_lora:
             # Imported here: the check builds the model on the meta device (torch, PEFT).
             from miles.backends.fsdp_utils.lora import check_lora_checkpoint

@@ -154,11 +154,6 @@ def _check_model_family(hf_config: Any) -> None:
     build: vision-language models, Gated DeltaNet hybrids and Mixture-of-Experts models (their converters, expert
     routing and linear-attention layers are not written here)."""
     model_type = getattr(hf_config, "model_type", None)
-    if getattr(hf_config, "vision_config", None) is not None:
-        raise ValueError(
-            f"the Megatron backend does not train vision-language models ({model_type}); use "
-            "--train-backend fsdp"
-        )
     layer_types = getattr(hf_config, "layer_types", None) or ()
     if model_type in _GDN_MODEL_TYPES or "linear_attention" in layer_types:
         raise ValueError(
@@ -170,6 +165,11 @@ def _check_model_family(hf_config: Any) -> None:
         raise ValueError(
             f"the Megatron backend does not train Mixture-of-Experts models ({model_type}, "
             f"{experts} experts); use --train-backend fsdp"
+        )
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(
+            f"the Megatron backend does not train vision-language models ({model_type}); use "
+            "--train-backend fsdp"
         )
 
 
