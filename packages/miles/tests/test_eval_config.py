@@ -148,6 +148,14 @@ def test_a_dataset_is_due_on_its_interval_and_after_the_last_rollout(tmp_path, d
 # -- refusals: each names the dataset, the key or value, and the fix -----------------------------
 
 
+def test_a_dataset_may_name_its_own_image_column(tmp_path, data):
+    entries = [{"name": "charts", "path": "qa.jsonl", "multimodal_keys": {"image": "pics"}},
+               {"name": "text", "path": "qa.jsonl"}]  # fmt: skip
+    found = from_file(tmp_path, entries, "--apply-chat-template")
+    assert found["charts"].data.image_key == "pics"
+    assert found["text"].data.image_key is None
+
+
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
@@ -179,6 +187,11 @@ def test_a_dataset_is_due_on_its_interval_and_after_the_last_rollout(tmp_path, d
         ({"label_key": None, "rm_type": "exact_match"},
          r"dataset 'd': rm_type exact_match compares answers with the label, but label_key is null"),
         ({"input_key": ""}, r"dataset 'd': input_key must name the column holding the prompts"),
+        ({"multimodal_keys": {"video": "clips"}},
+         r"dataset 'd': multimodal_keys maps 'video', which is not supported; supported media: "
+         r"image"),
+        ({"multimodal_keys": {"image": "pics"}},
+         r"dataset 'd': multimodal_keys: images need the chat template .*--apply-chat-template"),
     ],
 )  # fmt: skip
 def test_a_bad_dataset_is_refused_naming_it_the_key_and_the_fix(tmp_path, data, entry, message):
