@@ -22,6 +22,7 @@ from transformers import (
     AutoTokenizer,
 )
 
+from miles.backends.sglang_utils.reference_engine.checkpoint_names import checkpoint_renamer
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError, QueueFullError
 from miles.backends.sglang_utils.reference_engine.images import load_image
@@ -85,7 +86,11 @@ class ReferenceEngine:
             admission_quiet_s=config.admission_quiet_ms / 1000,
             max_loras_per_batch=config.lora.max_per_batch if config.lora.enabled else None,
         )
-        self.weights = WeightManager(self.scheduler, self.scheduler.runner.model, self.device)
+        # A vision-language model's updates come in its hub layout (SGLang's loaders' names).
+        rename = checkpoint_renamer(model) if vision else None
+        self.weights = WeightManager(
+            self.scheduler, self.scheduler.runner.model, self.device, rename=rename
+        )
         runner = self.scheduler.runner
         self.loras: LoraRegistry | None = None
         """The served LoRA adapters; None without --enable-lora."""
