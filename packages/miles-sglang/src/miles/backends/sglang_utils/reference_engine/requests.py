@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -20,11 +20,9 @@ from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestEr
 from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
 from miles.backends.sglang_utils.reference_engine.routed_experts import encode_routed_experts
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, no_vision_tower
 
-if TYPE_CHECKING:
-    from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages
-
-ImageReader = Callable[[str | list[int], list[str], str], "tuple[list[int], PromptImages | None]"]
+ImageReader = Callable[[str | list[int], list[str], str], tuple[list[int], PromptImages | None]]
 """`read(prompt, image_data, param)`: a prompt (text with one placeholder per image, or expanded
 ids) and its image_data strings -> its token ids and images; `param` names the images in errors."""
 
@@ -294,12 +292,7 @@ def _read_prompts(
     if read_images is None:
         given = sum(map(len, image_data))
         if given:
-            raise InvalidRequestError(
-                f"image_data gives {given} image(s), but the served model has no vision tower "
-                "(it reads text only): leave image_data out, or serve a vision-language model "
-                "(Qwen2.5-VL, Qwen3-VL)",
-                param="image_data",
-            )
+            raise no_vision_tower(given, "image_data")
         ids = [tokenize(s) if isinstance(s, str) else s for s in sources]
         return ids, [None] * len(sources)
     read = [

@@ -140,6 +140,15 @@ class VisionProcessor:
         )
 
 
+def no_vision_tower(images: int, param: str) -> InvalidRequestError:
+    """The refusal of `images` images (in `param`) by a text model."""
+    return InvalidRequestError(
+        f"{param} gives {images} image(s), but the served model has no vision tower (it reads "
+        "text only): send text only, or serve a vision-language model (Qwen2.5-VL, Qwen3-VL)",
+        param=param,
+    )
+
+
 def _unprocessable(param: str, err: Exception) -> InvalidRequestError:
     return InvalidRequestError(
         f"the model's image processor refused the images of {param}: {type(err).__name__}: {err}",
