@@ -16,10 +16,11 @@ import threading
 import time
 
 import openai
+import pytest
 import torch
 
 from miles.backends.sglang_utils.client import EngineClient
-from miles.backends.sglang_utils.reference_engine import ReferenceEngineConfig
+from miles.backends.sglang_utils.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
 
 from .in_process_engine import serve_in_process
@@ -238,3 +239,10 @@ def test_an_image_for_a_text_model_is_refused_naming_the_missing_vision_tower(ti
         assert chat.status_code == 400
         assert "messages gives 1 image(s)" in chat.json()["error"]["message"]
         assert client.get("/get_model_info").json()["has_image_understanding"] is False
+
+
+def test_lora_serving_of_a_vlm_is_refused_at_start(vlm):
+    config = ReferenceEngineConfig(model_path=str(vlm.path), device="cpu", enable_lora=True,
+                                   max_lora_rank=8, lora_target_modules=["q_proj"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"--enable-lora: .* is a vision-language model"):
+        ReferenceEngine(config)

@@ -60,7 +60,15 @@ class ReferenceEngine:
         self.device = torch.device(config.device) if config.device else get_torch_device(0)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         # A config with a vision tower (Qwen2.5-VL, Qwen3-VL) is served with its image inputs.
-        vision = has_vision_tower(AutoConfig.from_pretrained(config.model_path))
+        checkpoint_config = AutoConfig.from_pretrained(config.model_path)
+        vision = has_vision_tower(checkpoint_config)
+        if vision and config.lora.enabled:
+            # Its adapters would also name the vision tower's projections, which no test covers.
+            raise ValueError(
+                f"--enable-lora: the reference engine serves LoRA adapters on text models, and "
+                f"{config.model_path} is a vision-language model ({checkpoint_config.model_type});"
+                " sync merged weights (--lora-sync merged) or serve adapters with SGLang"
+            )
         auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto_model.from_pretrained(config.model_path, dtype=config.torch_dtype)
         self.model_config = model.config
