@@ -1,22 +1,21 @@
 """The images of a request (`image_data` on /generate, `image_url` parts on /v1/chat/completions),
 read into RGB PIL images, each failure a 400 naming the image.
 
-Three of SGLang's four sources are taken: `data:` URLs, raw base64 and local file paths. http(s)
-URLs are refused: fetching would give every client the engine's network and stall the
-tokenizer thread that all requests share; the client fetches and sends the bytes instead.
+Three of SGLang's four sources are taken: `data:` URLs and raw base64 (decoded as miles' data side
+writes them, `sglang_utils.image_data`) and local file paths. http(s) URLs are refused: fetching
+would give every client the engine's network and stall the tokenizer thread that all requests
+share; the client fetches and sends the bytes instead.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import os
 import re
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from miles.backends.sglang_utils.image_data import image_bytes, open_image
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 
 # A string that opens with a URL scheme (`http://`, `s3://`, `file://`): a location, not bytes.
@@ -30,8 +29,6 @@ _SOURCES = "a data: URL (data:image/png;base64,...), raw base64 or a local file 
 
 def load_image(value: str, param: str) -> Image.Image:
     """`value` (one entry of image_data, named `param` in errors) decoded as an RGB image."""
-    if value.startswith("data:"):
-        return _decode(_data_url_bytes(value, param), param)
     if _SCHEME.match(value):
         scheme = value.split("://", 1)[0]
         raise InvalidRequestError(
@@ -39,7 +36,7 @@ def load_image(value: str, param: str) -> Image.Image:
             f"images: send {_SOURCES}",
             param=param,
         )
-    if len(value) <= _MAX_PATH_CHARS and os.path.isfile(value):
+    if not value.startswith("data:") and len(value) <= _MAX_PATH_CHARS and os.path.isfile(value):
         try:
             with open(value, "rb") as file:
                 return _decode(file.read(), param)
@@ -53,47 +50,23 @@ def load_image(value: str, param: str) -> Image.Image:
             "existing path or the image's bytes as a data: URL or base64",
             param=param,
         )
-    return _decode(_base64_bytes(value, param), param)
-
-
-def _data_url_bytes(value: str, param: str) -> bytes:
-    header, comma, payload = value.partition(",")
-    if not comma or not header.endswith(";base64"):
-        raise InvalidRequestError(
-            f"{param} is a data: URL without base64 data ({_shown(value)}); send "
-            "data:image/<format>;base64,<bytes>",
-            param=param,
-        )
-    return _base64_bytes(payload, param)
-
-
-def _base64_bytes(text: str, param: str) -> bytes:
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise InvalidRequestError(
-            f"{param} is not valid base64 ({err}; got {_shown(text)}); send {_SOURCES}",
-            param=param,
-        ) from None
+        raw = image_bytes(value)
+    except ValueError as err:
+        also = "" if value.startswith("data:") else ", or a local file path"
+        raise InvalidRequestError(f"{param}: {err}{also}", param=param) from None
+    return _decode(raw, param)
 
 
-def _decode(data: bytes, param: str) -> Image.Image:
+def _decode(raw: bytes, param: str) -> Image.Image:
     try:
         with warnings.catch_warnings():
             # Pillow warns past its pixel bound and raises past twice it: both are refusals here.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            image.load()  # decodes now: a truncated file fails here, not in the processor
-        return image.convert("RGB")
-    except Exception as err:  # Pillow raises several types for bad bytes
-        why = (
-            "no image format Pillow reads starts with these bytes"
-            if isinstance(err, UnidentifiedImageError)
-            else f"{type(err).__name__}: {err}"
-        )
+            return open_image(raw)
+    except (ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
         raise InvalidRequestError(
-            f"{param} ({len(data)} bytes) cannot be decoded as an image ({why}); send a PNG, "
-            "JPEG, WebP, GIF or BMP file's bytes",
+            f"{param} cannot be decoded: {err}; send a PNG, JPEG, WebP, GIF or BMP file's bytes",
             param=param,
         ) from None
 
