@@ -21,6 +21,12 @@ import torch
 
 from miles.backends.sglang_utils.client import EngineClient
 from miles.backends.sglang_utils.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.openai_protocol import (
+    ChatCompletionBody,
+    Server,
+    validate,
+)
 from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
 
 from .in_process_engine import serve_in_process
@@ -247,3 +253,12 @@ def test_lora_serving_of_a_vlm_is_refused_at_start(vlm):
                                    max_lora_rank=8, lora_target_modules=["q_proj"])  # fmt: skip
     with pytest.raises(ValueError, match=r"--enable-lora: .* is a vision-language model"):
         ReferenceEngine(config)
+
+
+def test_a_server_that_reads_no_images_refuses_image_url_parts():
+    """The agent session server shares the chat body; its trajectories carry no images yet."""
+    part = {"type": "image_url", "image_url": {"url": data_url(shapes_image("red"))}}
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    assert validate(ChatCompletionBody, body).messages[0].image_urls == [part["image_url"]["url"]]
+    with pytest.raises(InvalidRequestError, match="image_url content parts are not read by a s"):
+        validate(ChatCompletionBody, body, Server("a session", "leave it unset"))
