@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny local checkpoint and real reference-engine servers on loopback."""
+"""Shared fixtures: tiny local checkpoints and real reference-engine servers on loopback."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
 from .in_process_engine import serve_in_process
 from .lora_support import LORA_ADMIN_KEY, LORA_ENGINE_TARGETS
+from .vision_support import VisionEngine, serve_vlm
 
 
 def running_engine(model_path: Path, *extra: str, timeout_s: float = 120.0):
@@ -56,3 +57,11 @@ def lora_engine(tiny_checkpoint) -> Iterator[tuple[ReferenceEngine, httpx.Client
     )  # fmt: skip
     with serve_in_process(config, headers={"Authorization": f"Bearer {LORA_ADMIN_KEY}"}) as both:
         yield both
+
+
+@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm(request, tmp_path_factory) -> Iterator[VisionEngine]:
+    """One engine per tiny VLM architecture, shared by the vision tests (tests that change its
+    weights put the checkpoint's back), with its processor and a float64 copy of the model."""
+    with serve_vlm(tmp_path_factory.mktemp(request.param), request.param) as vision_engine:
+        yield vision_engine

@@ -17,16 +17,20 @@ from torch import Tensor
 
 @dataclass
 class BatchState:
-    """KV tensors per layer, (B, H, L, D), the (B, L) mask of real (1) vs padding (0), and the
-    LoRA adapter each row's KV was computed with (`lora_layers.LoraAdapter`; None: the base
-    model). The adapters travel with the rows: a decode step must run each row with the adapter
-    its cache came from."""
+    """KV tensors per layer, (B, H, L, D), the (B, L) mask of real (1) vs padding (0), the LoRA
+    adapter each row's KV was computed with (`lora_layers.LoraAdapter`; None: the base model),
+    and a vision-language model's rope deltas. Both travel with the rows: a decode step must run
+    each row with the adapter its cache came from, at the position its prompt's images left."""
 
     keys: list[Tensor]
     values: list[Tensor]
     mask: Tensor
     adapters: list[Any] | None = None
     """One per row, or None when every row runs the base model."""
+    rope_deltas: Tensor | None = None
+    """(B,) for a model with multimodal rotary positions (mrope): each row's next position is its
+    real-token count plus its delta (negative after images, whose tokens share positions). None
+    for a text model, whose next position is the real-token count."""
 
     @property
     def size(self) -> int:
@@ -91,7 +95,16 @@ def merge_states(a: BatchState | None, b: BatchState) -> BatchState:
     adapters = None
     if a.adapters is not None or b.adapters is not None:
         adapters = row_adapters(a) + row_adapters(b)
-    return BatchState(keys, values, mask, adapters)
+    deltas = None
+    if a.rope_deltas is not None or b.rope_deltas is not None:
+        deltas = torch.cat([_row_deltas(a), _row_deltas(b)])
+    return BatchState(keys, values, mask, adapters, deltas)
+
+
+def _row_deltas(state: BatchState) -> Tensor:
+    if state.rope_deltas is not None:
+        return state.rope_deltas
+    return state.mask.new_zeros(state.size)
 
 
 def row_adapters(state: BatchState) -> list[Any]:
@@ -103,14 +116,19 @@ def _pick(adapters: list[Any] | None, rows: list[int]) -> list[Any] | None:
     return None if adapters is None else [adapters[row] for row in rows]
 
 
+def _pick_deltas(deltas: Tensor | None, index: Tensor) -> Tensor | None:
+    return None if deltas is None else deltas.index_select(0, index)
+
+
 def gather_rows(logits: Tensor, state: BatchState, rows: list[int]) -> tuple[Tensor, BatchState]:
     """Rows `rows` of a prefill's logits and state (a row may repeat)."""
     index = torch.tensor(rows, device=state.mask.device)
     keys = [k.index_select(0, index) for k in state.keys]
     values = [v.index_select(0, index) for v in state.values]
-    return logits.index_select(0, index), BatchState(
-        keys, values, state.mask.index_select(0, index), _pick(state.adapters, rows)
-    )
+    mask = state.mask.index_select(0, index)
+    deltas = _pick_deltas(state.rope_deltas, index)
+    state = BatchState(keys, values, mask, _pick(state.adapters, rows), deltas)
+    return logits.index_select(0, index), state
 
 
 def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
@@ -122,4 +140,5 @@ def select_rows(state: BatchState, rows: list[int]) -> BatchState | None:
     first_real = int(mask.any(0).nonzero()[0, 0]) if mask.any() else mask.shape[1]
     keys = [k.index_select(0, index)[:, :, first_real:] for k in state.keys]
     values = [v.index_select(0, index)[:, :, first_real:] for v in state.values]
-    return BatchState(keys, values, mask[:, first_real:], _pick(state.adapters, rows))
+    deltas = _pick_deltas(state.rope_deltas, index)
+    return BatchState(keys, values, mask[:, first_real:], _pick(state.adapters, rows), deltas)

@@ -1,7 +1,8 @@
-"""The reference engine behind one server: the model and tokenizer, the scheduler that decodes,
-the weight manager, the LoRA adapters (with --enable-lora), and what every route asks of them
-(parsing, validation, the queue bound, texts, server info). No HTTP here: the routes modules take a
-`ReferenceEngine`, and `server.py` builds the app around one.
+"""The reference engine behind one server: the model and tokenizer (and a vision-language model's
+processor), the scheduler that decodes, the weight manager, the LoRA adapters (with
+--enable-lora), and what every route asks of them (parsing, validation, the queue bound, texts,
+server info). No HTTP here: the routes modules take a `ReferenceEngine`, and `server.py` builds
+the app around one.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+)
 
+from miles.backends.sglang_utils.reference_engine.checkpoint_names import checkpoint_renamer
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError, QueueFullError
+from miles.backends.sglang_utils.reference_engine.images import load_image
 from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter
 from miles.backends.sglang_utils.reference_engine.lora_registry import LoraRegistry
-from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
+from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner, has_vision_tower
 from miles.backends.sglang_utils.reference_engine.requests import (
     GenerateLimits,
     ParsedGenerate,
@@ -30,6 +38,7 @@ from miles.backends.sglang_utils.reference_engine.requests import (
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, VisionProcessor
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
 from miles.backends.sglang_utils.weight_sync import DISTRIBUTED_LOAD_FORMATS, FLATTENED_BUCKET
@@ -50,10 +59,25 @@ class ReferenceEngine:
         torch.manual_seed(config.random_seed)
         self.device = torch.device(config.device) if config.device else get_torch_device(0)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=config.torch_dtype)
+        # A config with a vision tower (Qwen2.5-VL, Qwen3-VL) is served with its image inputs.
+        checkpoint_config = AutoConfig.from_pretrained(config.model_path)
+        vision = has_vision_tower(checkpoint_config)
+        if vision and config.lora.enabled:
+            # Its adapters would also name the vision tower's projections, which no test covers.
+            raise ValueError(
+                f"--enable-lora: the reference engine serves LoRA adapters on text models, and "
+                f"{config.model_path} is a vision-language model ({checkpoint_config.model_type});"
+                " sync merged weights (--lora-sync merged) or serve adapters with SGLang"
+            )
+        auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto_model.from_pretrained(config.model_path, dtype=config.torch_dtype)
         self.model_config = model.config
+        self.text_config = model.config.get_text_config()
+        """The language model's settings (a vision-language model nests them)."""
+        self.vision = VisionProcessor(config.model_path, model.config) if vision else None
+        """A vision-language model's processor; None for a text model, which refuses images."""
         self.context_length = config.context_length or int(
-            getattr(model.config, "max_position_embeddings", 4096)
+            getattr(self.text_config, "max_position_embeddings", 4096)
         )
         self.scheduler = Scheduler(
             ModelRunner(
@@ -70,7 +94,11 @@ class ReferenceEngine:
             admission_quiet_s=config.admission_quiet_ms / 1000,
             max_loras_per_batch=config.lora.max_per_batch if config.lora.enabled else None,
         )
-        self.weights = WeightManager(self.scheduler, self.scheduler.runner.model, self.device)
+        # A vision-language model's updates come in its hub layout (SGLang's loaders' names).
+        rename = checkpoint_renamer(model) if vision else None
+        self.weights = WeightManager(
+            self.scheduler, self.scheduler.runner.model, self.device, rename=rename
+        )
         runner = self.scheduler.runner
         self.loras: LoraRegistry | None = None
         """The served LoRA adapters; None without --enable-lora."""
@@ -106,10 +134,23 @@ class ReferenceEngine:
         return self.tokenizer.batch_decode([[token] for token in ids]) if ids else []
 
     async def parse(self, body: Any) -> ParsedGenerate:
-        """A /generate body, validated; text is tokenized off the event loop."""
-        if not (isinstance(body, dict) and body.get("text") is not None):
-            return parse_generate(body, self.tokenize, self.limits)  # token ids: nothing slow
-        return await self.off_loop(parse_generate, body, self.tokenize, self.limits)
+        """A /generate body, validated; text and images are read off the event loop."""
+        reader = self.read_prompt if self.vision is not None else None
+        if not (
+            isinstance(body, dict) and (body.get("text") is not None or body.get("image_data"))
+        ):
+            return parse_generate(body, self.tokenize, self.limits, reader)  # ids: nothing slow
+        return await self.off_loop(parse_generate, body, self.tokenize, self.limits, reader)
+
+    def read_prompt(
+        self, prompt: str | list[int], image_data: list[str], param: str
+    ) -> tuple[list[int], PromptImages | None]:
+        """A vision-language model's prompt (text with one placeholder per image, or expanded
+        ids) and its images (`image_data` strings, named `param` in errors) -> its token ids and
+        images. Runs in the tokenizer's thread (`off_loop`)."""
+        assert self.vision is not None, "only a vision-language model reads images"
+        images = [load_image(value, f"{param}[{j}]") for j, value in enumerate(image_data)]
+        return self.vision.read(prompt, images, param)
 
     def check_queue(self, sequences: int) -> None:
         """Refuse `sequences` more when the wait queue would grow past --max-queued-requests."""
@@ -152,7 +193,7 @@ class ReferenceEngine:
         return self.loras.resolve(names)
 
     def validate(self, spec: SequenceSpec) -> None:
-        vocab = self.model_config.vocab_size
+        vocab = self.text_config.vocab_size
         if max(spec.input_ids) >= vocab:
             raise InvalidRequestError(
                 f"input_ids contain token id {max(spec.input_ids)} >= vocab size {vocab}"

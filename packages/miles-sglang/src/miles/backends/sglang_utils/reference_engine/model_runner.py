@@ -1,17 +1,19 @@
 """A Hugging Face causal LM run as prefill and decode steps over a running batch (its KV cache:
 `batch_cache`). Prefills and decode steps of dense Llama-layout models skip the HF forward
 (`fast_decode`). With LoRA serving, each row runs with its own adapter (`lora_layers`) on either
-path."""
+path. A vision-language model's prefill reads its prompts' images (`vision_inputs`) and its rows
+decode at their multimodal rotary positions (`mrope`)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
+from typing import TypeVar
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from miles.backends.sglang_utils.reference_engine.attention import use_grouped_sdpa
@@ -22,10 +24,13 @@ from miles.backends.sglang_utils.reference_engine.batch_cache import (
 )
 from miles.backends.sglang_utils.reference_engine.fast_decode import DenseDecoder
 from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter, LoraLayers
+from miles.backends.sglang_utils.reference_engine.mrope import MropePositions
 from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, batch_pixels
 from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _AppendingLayer(DynamicLayer):
@@ -43,31 +48,47 @@ class _AppendingLayer(DynamicLayer):
 
 
 def distinct_prompts(
-    prompts: list[list[int]], adapters: list[LoraAdapter | None] | None = None
+    prompts: list[list[int]],
+    adapters: list[LoraAdapter | None] | None = None,
+    images: list[PromptImages | None] | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """(the distinct prompts in first-seen order, each prompt's row among them). With `adapters`
     (one per prompt), a prompt is shared only with prompts of the same adapter: KV computed
-    through an adapter is not the base model's, nor another adapter's."""
-    keys = adapters if adapters is not None else [None] * len(prompts)
+    through an adapter is not the base model's, nor another adapter's. With `images` (one per
+    prompt, None for a text prompt), a prompt is shared only with prompts of the same images: the
+    image tokens' ids are the same for every image, so they are keyed by the images' content
+    (`PromptImages.prefix_key`)."""
+    count = len(prompts)
     first_row: dict[tuple[LoraAdapter | None, tuple[int, ...]], int] = {}
-    rows = [
-        first_row.setdefault((adapter, tuple(prompt)), len(first_row))
-        for prompt, adapter in zip(prompts, keys, strict=True)
-    ]
-    return [list(prompt) for _, prompt in first_row], rows
+    distinct: list[list[int]] = []
+    rows = []
+    for prompt, adapter, image in zip(
+        prompts, adapters or [None] * count, images or [None] * count, strict=True
+    ):
+        key = tuple(prompt) if image is None else image.prefix_key(prompt)
+        row = first_row.setdefault((adapter, key), len(first_row))
+        if row == len(distinct):
+            distinct.append(list(prompt))
+        rows.append(row)
+    return distinct, rows
 
 
-def _distinct_adapters(
-    adapters: list[LoraAdapter | None] | None, rows: list[int], count: int
-) -> list[LoraAdapter | None] | None:
-    """The adapter of each of `count` distinct prompts, from the rows that map onto them; None
-    when every row runs the base model."""
-    if adapters is None or all(adapter is None for adapter in adapters):
+def _of_distinct(
+    values: list[T | None] | None, rows: list[int], count: int
+) -> list[T | None] | None:
+    """The value (adapter, images) of each of `count` distinct prompts, from the rows that map
+    onto them; None when every row has None."""
+    if values is None or all(value is None for value in values):
         return None
-    distinct: list[LoraAdapter | None] = [None] * count
-    for adapter, row in zip(adapters, rows, strict=True):
-        distinct[row] = adapter
+    distinct: list[T | None] = [None] * count
+    for value, row in zip(values, rows, strict=True):
+        distinct[row] = value
     return distinct
+
+
+def has_vision_tower(config: PretrainedConfig) -> bool:
+    """Whether a checkpoint's config describes a vision-language model (Qwen2.5-VL, Qwen3-VL)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def check_kv_only(model: torch.nn.Module) -> None:
@@ -110,6 +131,8 @@ class ModelRunner:
         self.decode_routed: Tensor | None = None
         """With a recorder: after a decode step, each row's (layers, top_k) experts of the token
         it read."""
+        self.mrope = MropePositions(self.model) if has_vision_tower(model.config) else None
+        """For a vision-language model: its prompts' 3-D rotary positions; None for text."""
         use_grouped_sdpa(self.model, device)
         # transformers 5 renamed the cache argument; accept either spelling.
         params = inspect.signature(self.model.forward).parameters
@@ -129,10 +152,11 @@ class ModelRunner:
 
     def _forward(
         self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
-        *, every_position: bool = True,
+        *, every_position: bool = True, pixels: dict[str, Tensor] | None = None,
     ) -> Tensor:  # fmt: skip
         """The logits (B, S, V), or without `every_position` (B, 1, V) where the model's forward
-        can leave the other positions out of its output head (`logits_to_keep`)."""
+        can leave the other positions out of its output head (`logits_to_keep`). `pixels`: a
+        vision-language prefill's `pixel_values` and `image_grid_thw`."""
         keep = {} if every_position or not self._keeps_logits else {"logits_to_keep": 1}
         out = self.model(
             input_ids=input_ids,
@@ -141,16 +165,20 @@ class ModelRunner:
             use_cache=True,
             **{self._cache_kwarg: cache},
             **keep,
+            **(pixels or {}),
         )
         return out.logits
 
     @staticmethod
     def _state_from(
-        cache: DynamicCache, mask: Tensor, adapters: list[LoraAdapter | None] | None
+        cache: DynamicCache,
+        mask: Tensor,
+        adapters: list[LoraAdapter | None] | None,
+        rope_deltas: Tensor | None,
     ) -> BatchState:
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
-        return BatchState(keys, values, mask, adapters)
+        return BatchState(keys, values, mask, adapters, rope_deltas)
 
     def _adapted(
         self, adapters: list[LoraAdapter | None] | None
@@ -162,15 +190,19 @@ class ModelRunner:
         return self.lora.batch(adapters)
 
     def prefill(
-        self, prompts: list[list[int]], adapters: list[LoraAdapter | None] | None = None
+        self,
+        prompts: list[list[int]],
+        adapters: list[LoraAdapter | None] | None = None,
+        images: list[PromptImages | None] | None = None,
     ) -> tuple[Tensor, BatchState]:
         """Logits of each prompt's last position (B, V) and the left-padded cache of all prompts,
-        each run with its LoRA adapter in `adapters` (None: the base model).
+        each run with its LoRA adapter in `adapters` (None: the base model) and its images in
+        `images` (None: a text prompt).
 
         A prompt that occurs several times (a GRPO group's n samples arrive together) is computed
         once and its cache rows copied: its forward would give the same numbers again."""
         logits, state, _ = self.prefill_with_prompt_logits(
-            prompts, [False] * len(prompts), adapters
+            prompts, [False] * len(prompts), adapters, images
         )
         return logits, state
 
@@ -180,15 +212,20 @@ class ModelRunner:
         prompts: list[list[int]],
         wanted: list[bool],
         adapters: list[LoraAdapter | None] | None = None,
+        images: list[PromptImages | None] | None = None,
     ) -> tuple[Tensor, BatchState, list[Tensor | None]]:
         """As `prefill`, and the logits at every position, (len(prompt), V) in the model's dtype,
         of each prompt i with `wanted[i]` (None for the others): the forward computes them all
         anyway, so scoring a prompt costs no extra forward."""
-        distinct, rows = distinct_prompts(prompts, adapters)
-        row_adapters = _distinct_adapters(adapters, rows, len(distinct))
+        assert self.mrope is not None or not any(images or []), "images for a text-only model"
+        distinct, rows = distinct_prompts(prompts, adapters, images)
+        row_adapters = _of_distinct(adapters, rows, len(distinct))
+        row_images = _of_distinct(images, rows, len(distinct))
         with self._recording(len(distinct), max(len(p) for p in distinct)) as routed:
             # (B, L or 1, V)
-            every, state = self._prefill(distinct, row_adapters, every_position=any(wanted))
+            every, state = self._prefill(
+                distinct, row_adapters, row_images, every_position=any(wanted)
+            )
         self.prefilled_tokens += sum(len(prompt) for prompt in distinct)
         length = state.length
         if routed:  # (B, L, layers, top_k), left-padded like the prompts
@@ -209,6 +246,7 @@ class ModelRunner:
         self,
         prompts: list[list[int]],
         adapters: list[LoraAdapter | None] | None,
+        images: list[PromptImages | None] | None,
         *,
         every_position: bool,
     ) -> tuple[Tensor, BatchState]:
@@ -221,7 +259,14 @@ class ModelRunner:
             input_ids[row, length - len(prompt) :] = torch.tensor(prompt)
             mask[row, length - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        pixels: dict[str, Tensor] = {}
+        deltas = None
+        if self.mrope is not None:
+            pixels = {k: v.to(self.device) for k, v in batch_pixels(images or []).items()}
+            # (3, B, L), or (B, L) when no prompt has an image; (B,)
+            positions, deltas = self.mrope.prefill(input_ids, mask, pixels.get("image_grid_thw"))
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         with self._adapted(adapters):
             if self.decoder is not None:
                 logits, keys, values = self.decoder.prefill(
@@ -229,13 +274,16 @@ class ModelRunner:
                 )
                 return logits, BatchState(keys, values, mask, adapters)
             cache = DynamicCache()
-            logits = self._forward(input_ids, mask, positions, cache, every_position=every_position)
-            return logits, self._state_from(cache, mask, adapters)
+            logits = self._forward(input_ids, mask, positions, cache,
+                                   every_position=every_position, pixels=pixels)  # fmt: skip
+            return logits, self._state_from(cache, mask, adapters, deltas)
 
     @torch.no_grad()
     def decode(self, state: BatchState, tokens: list[int]) -> tuple[Tensor, BatchState]:
         """Feed one new token per row; logits (B, V) for the next token and the grown state."""
         positions = state.mask.sum(-1)  # (B,): the next real position per row
+        if state.rope_deltas is not None:  # after images, a row's positions lag its length
+            positions = positions + state.rope_deltas
         mask = torch.cat([state.mask, state.mask.new_ones(state.size, 1)], dim=1)  # (B, L+1)
         input_ids = torch.tensor(tokens, device=self.device)  # (B,)
         if self.decoder is not None:
@@ -252,7 +300,7 @@ class ModelRunner:
             logits = self._forward(input_ids[:, None], mask, positions[:, None], cache)
         if routed:
             self.decode_routed = routed[0][:, 0]  # (B, layers, top_k)
-        return logits[:, -1, :], self._state_from(cache, mask, state.adapters)
+        return logits[:, -1, :], self._state_from(cache, mask, state.adapters, state.rope_deltas)
 
     def _recording(self, rows: int, columns: int) -> contextlib.AbstractContextManager[list]:
         if self.recorder is None:

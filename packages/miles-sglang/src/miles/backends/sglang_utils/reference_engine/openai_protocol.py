@@ -75,9 +75,11 @@ class Server:
     name: str
     instead: str
     """What to do instead, after "leave it at its default": e.g. "use an SGLang engine"."""
+    reads_images: bool = False
+    """Whether messages may carry `image_url` parts (for a vision-language model to read)."""
 
 
-REFERENCE_ENGINE = Server("the reference engine", "use an SGLang engine")
+REFERENCE_ENGINE = Server("the reference engine", "use an SGLang engine", reads_images=True)
 
 
 def _server(info: ValidationInfo) -> Server:
@@ -180,6 +182,24 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: StrictStr
+    """A data: URL, raw base64 or a local file path on the engine's machine (`images.py`)."""
+    detail: Literal["auto"] | None = None  # the model's processor decides the resolution
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCallIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -201,26 +221,47 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: StrictStr | None = None
     reasoning_content: StrictStr | None = None
 
     @model_validator(mode="after")
-    def _shape(self) -> Message:
+    def _shape(self, info: ValidationInfo) -> Message:
         for name, value in (self.model_extra or {}).items():
             if value not in (None, [], ""):
                 raise ValueError(f"unknown message field {name!r}")
         if self.content is None and not self.tool_calls and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        server = _server(info)
+        if self.image_urls and not server.reads_images:
+            raise ValueError(
+                f"image_url content parts are not read by {server.name}: send text content"
+            )
         return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The message's images (`image_url` parts), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: text content, tool-call arguments as objects
-        (templates write them with `tojson`; a JSON string would be quoted twice)."""
+        (templates write them with `tojson`; a JSON string would be quoted twice). Content with
+        images stays a list of parts, each image an `{"type": "image"}` part where a
+        vision-language template places its image placeholder."""
         out: dict[str, Any] = {"role": self.role}
-        if isinstance(self.content, list):
+        if self.image_urls:
+            out["content"] = [
+                {"type": "text", "text": part.text}
+                if isinstance(part, TextPart)
+                else {"type": "image"}
+                for part in self.content
+            ]
+        elif isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
         else:
             out["content"] = self.content if self.content is not None else ""

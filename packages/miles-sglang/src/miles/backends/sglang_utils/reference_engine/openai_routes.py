@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
 
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
+from miles.backends.sglang_utils.reference_engine.images import load_image
 from miles.backends.sglang_utils.reference_engine.openai_protocol import (
     ChatCompletionBody,
     CompletionBody,
+    ImagePart,
     completion_id,
     finish_reason,
     matched_stop,
@@ -37,6 +40,7 @@ from miles.backends.sglang_utils.reference_engine.requests import ParsedGenerate
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
 from miles.backends.sglang_utils.reference_engine.scheduler import Request as EngineRequest
 from miles.backends.sglang_utils.reference_engine.serving import answers, json_body, submit
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, no_vision_tower
 from miles.backends.sglang_utils.tool_calls import (
     TOOL_CALL_START,
     held_back,
@@ -60,9 +64,11 @@ def add_openai_routes(app: FastAPI, engine: ReferenceEngine) -> None:
         body = validate(
             ChatCompletionBody, await json_body(request, engine.config.max_request_bytes)
         )
-        prompt = await engine.off_loop(render_chat, engine, body)
+        prompt, images = await engine.off_loop(render_chat, engine, body)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        parsed = _sequences(engine, body, [prompt], body.max_new_tokens, body.logprobs, top)
+        parsed = _sequences(
+            engine, body, [prompt], body.max_new_tokens, body.logprobs, top, images=[images]
+        )
         chat = _Chat(engine, body, completion_id("chatcmpl"), now())
         return await _respond(request, engine, parsed, chat)
 
@@ -108,10 +114,17 @@ def _failure(done: list[EngineRequest]) -> JSONResponse | None:
 # -- prompts and sequences ----------------------------------------------------------------------
 
 
-def render_chat(engine: ReferenceEngine, body: ChatCompletionBody) -> list[int]:
-    """The prompt's token ids: `input_ids` as given, else the messages through the template."""
+def render_chat(
+    engine: ReferenceEngine, body: ChatCompletionBody
+) -> tuple[list[int], PromptImages | None]:
+    """The prompt's token ids, `input_ids` as given, else the messages through the template, and
+    its images (`image_url` parts), whose placeholders a vision-language model's processor
+    expands."""
+    images = _chat_images(engine, body)
     if body.input_ids is not None:
-        return list(body.input_ids)
+        if engine.vision is None:
+            return list(body.input_ids), None
+        return engine.vision.read(list(body.input_ids), images, "messages")
     chars = sum(len(json.dumps(m.for_template())) for m in body.messages)
     if chars > engine.limits.max_text_chars:
         raise InvalidRequestError(
@@ -147,10 +160,27 @@ def render_chat(engine: ReferenceEngine, body: ChatCompletionBody) -> list[int]:
             f"{engine.limits.max_text_chars} that can fit the context length",
             param="messages",
         )
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    if engine.vision is not None:
+        ids, prompt_images = engine.vision.read(text, images, "messages")
+    else:
+        ids, prompt_images = engine.tokenizer.encode(text, add_special_tokens=False), None
     if not ids:
         raise InvalidRequestError("the messages render to an empty prompt", param="messages")
-    return ids
+    return ids, prompt_images
+
+
+def _chat_images(engine: ReferenceEngine, body: ChatCompletionBody) -> list[Image.Image]:
+    """The images of the messages' `image_url` parts, in order, each named by its place."""
+    sources = [
+        (f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
+        for i, message in enumerate(body.messages)
+        if isinstance(message.content, list)
+        for j, part in enumerate(message.content)
+        if isinstance(part, ImagePart)
+    ]
+    if sources and engine.vision is None:
+        raise no_vision_tower(len(sources), "messages")
+    return [load_image(url, param) for param, url in sources]
 
 
 def _tokenize_prompts(engine: ReferenceEngine, body: CompletionBody) -> list[list[int]]:
@@ -177,12 +207,15 @@ def _sequences(
     max_new_tokens: int | None,
     return_logprob: bool,
     top_logprobs: int,
+    *,
+    images: list[PromptImages | None] | None = None,
 ) -> ParsedGenerate:
-    """`n` sequences per prompt (prompt-major), checked against the engine before queueing."""
+    """`n` sequences per prompt (prompt-major), checked against the engine before queueing;
+    `images`: each prompt's (a chat prompt's `image_url` parts)."""
     sequences = []
     count = len(prompts) * body.n
     adapter = _adapter_in(engine, body.model)
-    for prompt in prompts:
+    for prompt, prompt_images in zip(prompts, images or [None] * len(prompts), strict=True):
         engine.validate(SequenceSpec("", prompt, SamplingParams(), False))  # the prompt alone
         room = engine.context_length - len(prompt)
         if max_new_tokens is not None and max_new_tokens > room:
@@ -199,11 +232,16 @@ def _sequences(
                 else dataclasses.replace(params, seed=params.seed + copy)
             )
             rid = body.rid if body.rid is None or count == 1 else f"{body.rid}-{len(sequences)}"
-            sequences.append(
-                SequenceSpec(
-                    rid or "", prompt, seeded, return_logprob, top_logprobs, lora_path=adapter
-                )
+            spec = SequenceSpec(
+                rid or "",
+                prompt,
+                seeded,
+                return_logprob,
+                top_logprobs,
+                lora_path=adapter,
+                images=prompt_images,
             )
+            sequences.append(spec)
     if len(sequences) > engine.limits.max_sequences:
         raise InvalidRequestError(
             f"{len(prompts)} prompt(s) x n={body.n} is {len(sequences)} sequences, over this "

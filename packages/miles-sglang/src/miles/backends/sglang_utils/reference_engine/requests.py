@@ -4,7 +4,8 @@ response format SGLang returns for it.
 Every GenerateReqInput field is accepted: fields the reference engine cannot honour are fine at
 their default value and a 400 naming the field otherwise (clients such as sglang-router send
 several of them on every request). Types are checked (`GenerateBody`, `SamplingParamsBody`)
-before anything is tokenized or queued.
+before anything is tokenized or queued. `image_data` is read by the engine's `ImageReader` (a
+vision-language model's processor); without one, images are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestEr
 from miles.backends.sglang_utils.reference_engine.request_models import TokenId, validate_body
 from miles.backends.sglang_utils.reference_engine.routed_experts import encode_routed_experts
 from miles.backends.sglang_utils.reference_engine.sampling import SamplingParams
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, no_vision_tower
+
+ImageReader = Callable[[str | list[int], list[str], str], tuple[list[int], PromptImages | None]]
+"""`read(prompt, image_data, param)`: a prompt (text with one placeholder per image, or expanded
+ids) and its image_data strings -> its token ids and images; `param` names the images in errors."""
 
 # Fields that only shape logging, routing or tracing: any value is accepted.
 PASS_THROUGH = {
@@ -48,7 +54,6 @@ PASS_THROUGH = {
 # Fields whose non-default values ask for something this engine does not do.
 DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,),
-    "image_data": (None, [], ""),
     "video_data": (None, [], ""),
     "audio_data": (None, [], ""),
     "use_audio_in_video": (False,),
@@ -86,6 +91,8 @@ class SequenceSpec:
     return_routed_experts: bool = False
     lora_path: str | None = None
     """The loaded LoRA adapter to run with, by name (SGLang's `lora_path`); None: the base model."""
+    images: PromptImages | None = None
+    """The prompt's images (a vision-language model's); None for a text prompt."""
 
 
 @dataclass
@@ -151,6 +158,10 @@ class GenerateBody(BaseModel):
     return_routed_experts: StrictBool | list[StrictBool] = False
     # A loaded adapter's name for every prompt, or one per prompt of a batch (None: base model).
     lora_path: StrictStr | list[StrictStr | None] | None = None
+    # SGLang's forms: one image, or a list of them, for a single prompt; for a batch, one image for
+    # every prompt or one entry (an image, a list, or none) per prompt. Each image is a data: URL,
+    # raw base64 or a local file path (`images.load_image`).
+    image_data: StrictStr | list[StrictStr | list[StrictStr] | None] | None = None
     stream: StrictBool = False
 
 
@@ -165,10 +176,14 @@ class GenerateLimits:
 
 
 def parse_generate(
-    body: Any, tokenize: Callable[[str], list[int]], limits: GenerateLimits
+    body: Any,
+    tokenize: Callable[[str], list[int]],
+    limits: GenerateLimits,
+    read_images: ImageReader | None = None,
 ) -> ParsedGenerate:
-    """`tokenize(text) -> ids`. Raises InvalidRequestError for anything malformed or over a
-    limit, naming the field."""
+    """`tokenize(text) -> ids`; `read_images`: a vision-language model's prompt reader, which
+    every prompt goes through (None: a text model, which refuses images). Raises
+    InvalidRequestError for anything malformed or over a limit, naming the field."""
     parsed = validate_body(GenerateBody, body, prefix="")
     _check_fields(parsed.model_extra or {})
     text, input_ids = parsed.text, parsed.input_ids
@@ -202,12 +217,14 @@ def parse_generate(
                     f"{limits.max_text_chars} that can fit the context length",
                     param="text",
                 )
-        prompts = [tokenize(t) for t in texts]
-        if not all(prompts):
-            raise InvalidRequestError("a text prompt tokenizes to no tokens", param="text")
+        sources: list[str] | list[list[int]] = texts
     else:
         is_batch = _nested(input_ids)
-        prompts = input_ids if is_batch else [input_ids]
+        sources = input_ids if is_batch else [input_ids]
+    image_data = _images_per_prompt(parsed.image_data, count, is_batch)
+    prompts, images = _read_prompts(sources, image_data, tokenize, read_images, is_batch)
+    if text is not None and not all(prompts):
+        raise InvalidRequestError("a text prompt tokenizes to no tokens", param="text")
     rids = _as_list(parsed.rid, count, "rid")
     logprob = _as_list(parsed.return_logprob, count, "return_logprob")
     top = _as_list(parsed.top_logprobs_num, count, "top_logprobs_num")
@@ -237,9 +254,52 @@ def parse_generate(
                 return_text_in_logprobs=parsed.return_text_in_logprobs,
                 return_routed_experts=bool(routed[i]),
                 lora_path=adapters[i],
+                images=images[i],
             )
             sequences.append(spec)
     return ParsedGenerate(sequences=sequences, is_batch=is_batch or n > 1, stream=parsed.stream)
+
+
+def _images_per_prompt(value: Any, count: int, is_batch: bool) -> list[list[str]]:
+    """SGLang's `image_data` as each prompt's list of images ([] for none)."""
+    if value is None or value == "":
+        return [[] for _ in range(count)]
+    if isinstance(value, str):  # one image: the prompt's, or every prompt's in a batch
+        return [[value] for _ in range(count)]
+    if not is_batch:
+        if any(not isinstance(item, str) for item in value):
+            raise InvalidRequestError(
+                "image_data for a single prompt is an image or a flat list of images; a list of "
+                "lists is one entry per prompt of a batch",
+                param="image_data",
+            )
+        return [list(value)]
+    if value == []:
+        return [[] for _ in range(count)]
+    per_prompt = _as_list(value, count, "image_data")
+    return [[] if v is None else [v] if isinstance(v, str) else list(v) for v in per_prompt]
+
+
+def _read_prompts(
+    sources: list[str] | list[list[int]],
+    image_data: list[list[str]],
+    tokenize: Callable[[str], list[int]],
+    read_images: ImageReader | None,
+    is_batch: bool,
+) -> tuple[list[list[int]], list[PromptImages | None]]:
+    """Each prompt's token ids and images: text is tokenized, or with a vision-language model
+    expanded by its processor with the images."""
+    if read_images is None:
+        given = sum(map(len, image_data))
+        if given:
+            raise no_vision_tower(given, "image_data")
+        ids = [tokenize(s) if isinstance(s, str) else s for s in sources]
+        return ids, [None] * len(sources)
+    read = [
+        read_images(source, values, f"image_data[{i}]" if is_batch else "image_data")
+        for i, (source, values) in enumerate(zip(sources, image_data, strict=True))
+    ]
+    return [ids for ids, _ in read], [images for _, images in read]
 
 
 def _logprob_start(value: int | None, prompt_len: int, param: str) -> int | None:

@@ -58,6 +58,7 @@ from miles.backends.sglang_utils.reference_engine.sampling import (
     token_id_log_probs,
     top_log_probs,
 )
+from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Request:
     in order (the prompt's, then one per decode step)."""
     adapter: LoraAdapter | None = None
     """The LoRA adapter the sequence runs with from its prefill to its end (None: base model)."""
+    images: PromptImages | None = None
+    """A vision-language model's prompt images, read at prefill (None: a text prompt)."""
 
     @property
     def scores_prompt(self) -> bool:
@@ -338,7 +341,9 @@ class Scheduler:
         new = self._take_admissible()
         if not new:
             return
-        _, rows = distinct_prompts([r.input_ids for r in new], [r.adapter for r in new])
+        _, rows = distinct_prompts(
+            [r.input_ids for r in new], [r.adapter for r in new], [r.images for r in new]
+        )
         seen: set[int] = set()
         for request, row in zip(new, rows, strict=True):
             request.cached_tokens = len(request.input_ids) if row in seen else 0
@@ -392,6 +397,7 @@ class Scheduler:
                 [r.input_ids for r in requests],
                 [r.scores_prompt for r in requests],
                 [r.adapter for r in requests],
+                [r.images for r in requests],
             )
             for request, row_logits in zip(requests, prompt_logits, strict=True):
                 if row_logits is not None:

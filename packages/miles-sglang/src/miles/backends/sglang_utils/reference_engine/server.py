@@ -1,5 +1,5 @@
 """The reference engine's HTTP server: SGLang's native API over FastAPI, for any transformers
-causal LM, on CPU or GPU. This module assembles the app (error statuses, the guard, both route
+causal LM and the Qwen-VL vision-language models, on CPU or GPU. This module assembles the app (error statuses, the guard, both route
 sets); `cli.py` serves it.
 
 Mutating routes accept POST only. Every body is typed and range-checked before anything is

@@ -67,6 +67,7 @@ def submit(
             token_ids_logprob=spec.token_ids_logprob,
             return_routed_experts=spec.return_routed_experts,
             adapter=adapter,
+            images=spec.images,
         )
         if spec.rid:
             request.rid = spec.rid

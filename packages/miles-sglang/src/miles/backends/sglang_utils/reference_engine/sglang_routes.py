@@ -121,7 +121,7 @@ def add_sglang_routes(app: FastAPI, engine: ReferenceEngine) -> None:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.scheduler.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": engine.vision is not None,
             "has_audio_understanding": False,
             "model_type": getattr(engine.model_config, "model_type", None),
             "architectures": getattr(engine.model_config, "architectures", None),

@@ -12,6 +12,7 @@ import gc
 import logging
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,10 +42,20 @@ MEMORY_TAGS = ("weights", "kv_cache")
 class WeightManager:
     """Owns every change to the engine's weights and its memory occupation."""
 
-    def __init__(self, scheduler: Scheduler, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model: torch.nn.Module,
+        device: torch.device,
+        *,
+        rename: Callable[[str], str] | None = None,
+    ) -> None:
+        """`rename`: a checkpoint's parameter name -> the model's, for a model whose names
+        transformers changed on load (`checkpoint_names`); updates may use either."""
         self.scheduler = scheduler
         self.model = model
         self.device = device
+        self.rename = rename
         self.groups: dict[str, object] = {}
         self.released: set[str] = set()
         self._offload_file: Path | None = None
@@ -68,7 +79,9 @@ class WeightManager:
         cover every parameter (a whole checkpoint)."""
         self._require_weights()
         try:
-            count = load_named_tensors(self.model, named_tensors, complete=complete)
+            count = load_named_tensors(
+                self.model, named_tensors, complete=complete, rename=self.rename
+            )
         except WeightUpdateError as err:
             raise InvalidRequestError(str(err)) from None
         version = self._bump(weight_version)

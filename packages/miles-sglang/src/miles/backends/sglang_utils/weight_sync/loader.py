@@ -8,7 +8,7 @@ serves a half-loaded mix of old and new weights because one name in the last buc
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -29,18 +29,23 @@ def load_named_tensors(
     named_tensors: Iterable[tuple[str, Tensor]],
     *,
     complete: bool = False,
+    rename: Callable[[str], str] | None = None,
 ) -> int:
     """Copy each `(name, tensor)` into the model's parameter or buffer of that name; return the count.
 
     Tensors are cast to the target's dtype and device. Tied weights (e.g. `lm_head.weight` tied to
-    `model.embed_tokens.weight`) are accepted under either name. Raises `WeightUpdateError`, before
-    anything is copied, if any name is unknown, any shape differs from the model's or any value
-    is not finite; with `complete` (a whole checkpoint), also if a parameter is missing.
+    `model.embed_tokens.weight`) are accepted under either name. `rename`: the model's name of a
+    name it does not know (a checkpoint's layout, which transformers renamed on load). Raises
+    `WeightUpdateError`, before anything is copied, if any name is unknown, any shape differs from
+    the model's or any value is not finite; with `complete` (a whole checkpoint), also if a
+    parameter is missing.
     """
     named_tensors = list(named_tensors)
     targets = _targets(model)
     views = expert_views(model.named_parameters())
     targets.update({name: view for name, (view, _) in views.items()})
+    if rename is not None:
+        named_tensors = [(_known(name, targets, rename), t) for name, t in named_tensors]
     problems = [p for name, tensor in named_tensors if (p := _check(name, tensor, targets))]
     refused = len(problems)  # of the tensors sent; missing parameters are counted apart
     missing: list[str] = []
@@ -71,6 +76,15 @@ def load_named_tensors(
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
     return len(named_tensors)
+
+
+def _known(name: str, targets: dict[str, Tensor], rename: Callable[[str], str]) -> str:
+    """`name` if the model knows it, else its renaming where the model knows that; an unknown
+    name stays as sent, so that the error names what was sent."""
+    if name in targets:
+        return name
+    renamed = rename(name)
+    return renamed if renamed in targets else name
 
 
 def _targets(model: torch.nn.Module) -> dict[str, Tensor]:
