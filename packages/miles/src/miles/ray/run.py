@@ -115,6 +115,11 @@ class Run:
             {"--output-dir": config.logging.output_dir, "--save": config.checkpoint.save}
         )
         resumed = checkpoint_to_resume(config.checkpoint.load, config.checkpoint.save)
+        if config.critic.critic_load:  # verified too, and no newer than the policy it trains with
+            checkpoint_to_resume(
+                config.critic.critic_load, config.critic.critic_save, flag="--critic-load",
+                at_most=resumed,
+            )  # fmt: skip
         claim_output_dir(
             config.logging.output_dir,
             resuming=resumed is not None,
