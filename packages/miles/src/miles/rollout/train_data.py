@@ -68,7 +68,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
     lengths = [s.response_length for s in samples]
     spread = [len({s.reward for s in g}) > 1 for g in groups]
     metrics = {
-        f"{prefix}/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        f"{prefix}/reward_mean": _mean(rewards) if rewards else float("nan"),
         f"{prefix}/response_len_mean": statistics.fmean(lengths),
         f"{prefix}/response_len_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": _ratio(samples, SampleStatus.TRUNCATED),
@@ -85,13 +85,23 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
             sources.setdefault(str(sample.metadata[SOURCE_KEY]), []).append(sample)
     for name, members in sorted(sources.items()):
         scored = [float(s.reward) for s in members if s.reward is not None]
-        metrics[f"{prefix}/{name}/reward_mean"] = statistics.fmean(scored) if scored else math.nan
+        metrics[f"{prefix}/{name}/reward_mean"] = _mean(scored) if scored else math.nan
         metrics[f"{prefix}/{name}/samples"] = float(len(members))
     # Multi-turn samples (tool rollouts, agent sessions) say how many model turns they took.
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
     if turns:
         metrics[f"{prefix}/turns_mean"] = statistics.fmean(turns)
     return metrics
+
+
+def _mean(values: list[float]) -> float:
+    """statistics.fmean that never overflows: when the sum leaves float's range (rewards of
+    1e308: "intermediate overflow in fsum"), the values are scaled by their largest magnitude."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        scale = max(abs(v) for v in values)
+        return statistics.fmean([v / scale for v in values]) * scale
 
 
 def _ratio(samples: list[Sample], status: SampleStatus) -> float:
