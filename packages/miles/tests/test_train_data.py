@@ -38,3 +38,14 @@ def test_a_group_spread_past_the_largest_float_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"spread beyond the largest float.*--reward-clip"):
         build_train_data(groups, LossConfig(advantage_estimator="rloo"), dp_size=1)
     assert rollout_metrics(groups)["rollout/reward_mean"] == pytest.approx(-0.85e308)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
+def test_a_shaped_reward_beyond_float32_is_refused_before_training_naming_the_sample(estimator):
+    # GRPO's ratios fit any magnitude; a baseline difference or a raw reward of 1e200 does not
+    # fit the float32 per-token advantages, where it would train as inf.
+    groups = _groups([1e200, 0.0, 0.0, 0.0], group_size=4)
+    with pytest.raises(ValueError, match=r"sample 0 \(group 0\) has reward 1e\+200") as error:
+        build_train_data(groups, LossConfig(advantage_estimator=estimator), dp_size=1)
+    assert f"--advantage-estimator {estimator}" in str(error.value)
+    assert "--reward-clip" in str(error.value)

@@ -45,9 +45,27 @@ def build_train_data(
         sample.index = position  # unique within the rollout, in group order
     raw = torch.tensor([_reward(s) for s in samples], dtype=torch.float64)  # (N,)
     shaped = shape_rewards(raw, loss, group_size=group_size)  # (N,)
+    _check_fits_float32(samples, raw, shaped, loss.advantage_estimator)
     batch = samples_to_rollout_batch(samples, shaped.tolist())
     partitions = dp_partitions(batch["total_lengths"], dp_size, balance)
     return split_rollout_batch_by_dp(batch, dp_size, partitions)
+
+
+def _check_fits_float32(
+    samples: list[Sample], raw: torch.Tensor, shaped: torch.Tensor, estimator: str
+) -> None:
+    """The trainer spreads shaped rewards over float32 per-token tensors: a value beyond float32's
+    range would train as inf (and NaN), so it is refused here, before any rank sees it."""
+    limit = torch.finfo(torch.float32).max
+    beyond = (shaped.abs() > limit).nonzero()
+    if len(beyond):
+        i = int(beyond[0, 0])
+        raise ValueError(
+            f"sample {i} (group {samples[i].group_index}) has reward {raw[i].item():g}, "
+            f"{shaped[i].item():g} as --advantage-estimator {estimator} shapes it, beyond the "
+            f"float32 range ({limit:g}) of the trainer's per-token advantages ({len(beyond)} "
+            "such samples); bound the rewards with --reward-clip"
+        )
 
 
 def _reward(sample: Sample) -> float:
