@@ -217,11 +217,12 @@ class EngineFleet:
 
     @property
     def fault_tolerant(self) -> bool:
-        """--use-fault-tolerance, or by default: more than one engine (not colocated)."""
+        """--use-fault-tolerance, or by default: engines not colocated (one is enough: it is
+        restarted while the rollout waits, where without fault tolerance its loss ends the run)."""
         choice = self.config.engine.use_fault_tolerance
         if choice is not None:
             return choice
-        return len(self.engine_urls) > 1 and not self.config.cluster.colocate
+        return bool(self.engine_urls) and not self.config.cluster.colocate
 
     def _engine_actor(self, index: int, has_gpus: bool) -> Any:
         colocate = self.config.cluster.colocate
