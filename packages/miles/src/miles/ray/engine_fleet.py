@@ -173,6 +173,8 @@ class EngineFleet:
             devices = self.placement.engine_devices(i) if self.placement else None
             spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
             spec["admin_api_key"] = self._admin_key
+            if self.placement is not None and self.placement.bind_host is not None:
+                spec["host"] = self.placement.bind_host  # else the actor's node address
             self.engine_actors.append(actor)
             self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
