@@ -15,6 +15,7 @@ import transformers
 
 from miles.backends.fsdp_utils.checkpoint import (
     POINTER_FILE,
+    export_checkpoint_to_hf,
     iteration_dir,
     latest_rollout_id,
     load_checkpoint,
@@ -149,3 +150,11 @@ def test_the_loader_names_the_file_of_an_empty_meta_json(save):
     (iteration_dir(save, 1) / "meta.json").write_text("")
     with pytest.raises(ValueError, match=r"iter_0000001 is damaged: .*meta.json is not valid JSON"):
         load_checkpoint(save, model=_model(seed=7), optimizer=None, lr_scheduler=None)
+
+
+def test_an_offline_export_of_a_damaged_checkpoint_is_refused_naming_the_file(save, tmp_path):
+    shard = _largest_tensor_file(save, 1)
+    _flip_three_bits(shard)
+    with pytest.raises(ValueError, match=f"{iteration_dir(save, 1)} is damaged: {shard}"):
+        export_checkpoint_to_hf(save, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
