@@ -28,7 +28,12 @@ from miles.config import load_config
 from miles.ray.run import Run
 from miles.ray.train_group import TrainRankError
 from miles.train import train
-from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
+from miles.utils.checkpoint_layout import (
+    MANIFEST_FILE,
+    POINTER_FILE,
+    checkpoint_problems,
+    rollout_state_path,
+)
 from miles.utils.divergence import DivergenceError
 from miles.utils.run_lock import LOCK_FILE
 from miles.utils.tracking import read_metrics
@@ -95,6 +100,17 @@ def test_disaggregated_run_logs_every_rollout_with_its_time_split(disaggregated)
     assert first["check/logprob_abs_diff"] < 1e-3  # the step-0 check: engine runs our weights
     assert not any(k.startswith("startup/") for r in records[1:] for k in r)  # logged once
     assert (out / "run" / "config.json").is_file()
+    # Fault tolerance is on by default for one engine that is not colocated.
+    assert all(r["engine/restarts"] == 0 for r in records)
+
+
+def test_every_checkpoint_of_a_run_is_committed_with_a_manifest_of_both_parts(disaggregated):
+    _, _, out = disaggregated
+    for rollout_id in (0, 1, 2):
+        assert checkpoint_problems(out / "checkpoints", rollout_id) == []
+    manifest = json.loads((out / "checkpoints" / "iter_0000002" / MANIFEST_FILE).read_text())
+    assert "rollout/iter_0000002.json" in manifest["files"]  # the rollout side's state too
+    assert any(name.startswith("iter_0000002/model/") for name in manifest["files"])
 
 
 def test_a_colocated_moe_run_with_rollout_routing_replay_shares_the_devices(tmp_path):
@@ -361,20 +377,33 @@ def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged
     assert record["rollout_id"] == 0 and record["train/skipped_steps"] == 3
 
 
-def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path, disaggregated):
+def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
+    assets, tmp_path, disaggregated, caplog
+):
     full, _, out = disaggregated
     # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
-    # files written, but the pointer (written last) still names rollout 1.
+    # files written, but the pointer (written last) still names rollout 1. And rollout 1's
+    # checkpoint has since lost three bits of a weight shard: the run must see it and resume
+    # from rollout 0's instead, as if it had never stopped.
     shutil.copytree(out / "run", tmp_path / "crashed")
     shutil.copytree(out / "checkpoints", tmp_path / "crashed_ckpt")
     (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("1")
-    resumed = run(
-        assets, tmp_path / "crashed", *DISAGGREGATED, "--save", str(tmp_path / "crashed_ckpt")
-    )
-    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollout 2 logged once, not twice
-    # Every non-timing value of the resumed rollout, to the bit (tools/compare_runs.py); the
+    shard = max((tmp_path / "crashed_ckpt" / "iter_0000001" / "model").glob("*.distcp"),
+                key=lambda p: p.stat().st_size)  # fmt: skip
+    data = bytearray(shard.read_bytes())
+    for offset in (0, 9, 123):
+        data[len(data) // 2 + offset] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="miles.utils.run_dirs"):
+        resumed = run(
+            assets, tmp_path / "crashed", *DISAGGREGATED, "--save", str(tmp_path / "crashed_ckpt")
+        )
+    assert f"{shard} does not match its SHA-256" in caplog.text
+    assert "resuming from the newest good checkpoint" in caplog.text
+    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollouts 1 and 2 logged once each
+    # Every non-timing value of the resumed rollouts, to the bit (tools/compare_runs.py); the
     # resumed process's first rollout adds its start-up and step-0 check records.
-    assert compare_records([full[2]], [resumed[2]], ignore=["^check/"]) == []
+    assert compare_records(full[1:], resumed[1:], ignore=["^check/"]) == []
     assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
 
 

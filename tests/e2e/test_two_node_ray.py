@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from miles.ray.cluster import init_ray
+from miles.ray.cluster import bind_host, init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
 
 START_TIMEOUT_S = 90.0
@@ -211,3 +211,5 @@ def test_disaggregated_trainers_share_a_node_and_the_engine_gets_the_other(
     assert cpus[trainer0] == 2 and cpus[engine] == 1
     assert ray.cluster_resources()["CPU"] == 3
     assert placement.bundle_nodes == [trainer0, trainer1, engine]
+    # Several nodes: every process binds its own node's address, where the others reach it.
+    assert bind_host() is None

@@ -6,6 +6,7 @@ transports, the shared-memory one from a sleeping trainer."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import httpx
 import pytest
 import torch
 
+from miles.utils.checkpoint_layout import checkpoint_problems, iteration_dir
+from miles.utils.run_dirs import RunDirectoryError, checkpoint_to_resume
 from tests.support.distributed import free_port
 
 from .actor_lifecycle import (
@@ -150,7 +153,7 @@ def life(request, tmp_path_factory, engine) -> dict:
     fresh = None
     if request.param == "tp2":
         fresh = run_distributed(_fresh_resume, WORLD, checkpoint, save_dir, layout, timeout_s=240)
-    return {"ranks": ranks, "fresh": fresh}
+    return {"ranks": ranks, "fresh": fresh, "save_dir": save_dir}
 
 
 def test_a_fresh_actor_starts_at_rollout_0_with_the_hf_models_log_probs(life):
@@ -181,6 +184,21 @@ def test_a_new_process_resumes_after_the_saved_rollout_with_the_saved_state(life
     for saved, fresh in zip(life["ranks"], life["fresh"], strict=True):
         assert fresh["start"] == 1
         assert max_difference(saved["saved"], fresh["state"]) == 0.0
+
+
+def test_a_truncated_distributed_checkpoint_file_is_found_before_loading_naming_it(life, tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(life["save_dir"], save)
+    assert checkpoint_problems(save, 0) == [], "the manifest covers every rank's files"
+    dist_files = sorted((iteration_dir(save, 0) / "dist").rglob("*.distcp"))
+    assert dist_files, "Megatron wrote its shards under dist/"
+    shard = max(dist_files, key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(RunDirectoryError, match=f"{shard} has 100 bytes"):
+        checkpoint_to_resume(str(save), None)  # an explicit --load
+    # Its own --save with no earlier checkpoint: stopped, not started fresh.
+    with pytest.raises(RunDirectoryError, match="holds no usable checkpoint"):
+        checkpoint_to_resume(str(save), str(save))
 
 
 def test_the_hf_export_runs_the_trained_weights(life):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -158,6 +159,45 @@ def test_the_supervisor_restarts_a_hung_engine_and_admits_it_with_the_weights(en
     assert len(answer["output_ids"]) == 3
     assert serving == [engine_url, hung.url]
     assert metrics["engine/restarts"] == 1 and metrics["engine/seconds_lost"] > 0
+
+
+class ResettingEngine(HungEngine):
+    """A socket that accepts each connection and resets it (RST): an engine going down."""
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+            connection.close()
+
+
+@pytest.mark.parametrize("failure", ["reset", "hung"])
+def test_a_lost_engine_is_reported_with_the_real_cause_of_its_failed_health_check(failure, caplog):
+    engine = ResettingEngine() if failure == "reset" else HungEngine()
+
+    async def restart(index: int) -> None:
+        raise RuntimeError("not restarted in this test")
+
+    async def run():
+        async with EnginePool([engine.url], fault_tolerant=True) as pool:
+            lost = await _supervisor(pool, restart, max_restarts=0).check_now()
+            return lost
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="miles.rollout.engine_pool"):
+            assert asyncio.run(run()) == [engine.url]
+    finally:
+        engine.close()
+    left = next(r.getMessage() for r in caplog.records if "left service" in r.getMessage())
+    if failure == "reset":
+        assert "/health failed: " in left and "no complete answer" not in left
+        assert "reset" in left.lower() or "disconnected" in left.lower(), left
+    else:
+        assert "/health failed: TimeoutError: no complete answer within 0.5 s" in left
 
 
 def test_an_engine_that_keeps_failing_stops_the_rollout_naming_it_and_its_log(hung):

@@ -7,7 +7,7 @@ import logging
 import pytest
 import ray
 
-from miles.ray.cluster import init_ray
+from miles.ray.cluster import bind_host, init_ray
 from miles.ray.placement import create_placement, plan_placement, remove_placement
 
 NUM_CPUS = 4
@@ -154,3 +154,11 @@ def test_a_placement_sent_to_another_actor_schedules_there(local_ray):
         assert node == placement.engine_node(0)
     finally:
         remove_placement(placement)
+
+
+def test_a_run_on_one_node_binds_loopback_unless_an_engine_elsewhere_must_reach_it(local_ray):
+    # One node: the engines and train ranks listen on loopback, not the machine's address.
+    assert bind_host() == "127.0.0.1"
+    assert bind_host(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+    # An external engine on another host joins trainer rank 0's weight-update group.
+    assert bind_host(["http://127.0.0.1:30000", "http://10.0.0.7:30000"]) is None

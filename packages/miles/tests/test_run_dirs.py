@@ -48,6 +48,8 @@ def test_only_a_save_directory_without_a_checkpoint_starts_fresh_and_says_so(tmp
 
 
 def test_a_checkpoint_pointer_is_the_rollout_to_resume_from(tmp_path):
+    (tmp_path / "iter_0000003").mkdir()  # a checkpoint of an older miles: no manifest
+    (tmp_path / "iter_0000003" / "meta.json").write_text("{}")
     (tmp_path / POINTER_FILE).write_text("3")
     assert checkpoint_to_resume(str(tmp_path), None) == 3
     assert checkpoint_to_resume(str(tmp_path), str(tmp_path)) == 3

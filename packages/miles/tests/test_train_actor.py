@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,38 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _listening_addresses() -> set[str]:
+    """The local addresses this process listens on (Linux: its socket inodes in /proc/net/tcp*);
+    an empty set elsewhere."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        return set()
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        path = Path("/proc/self/net") / table
+        for line in path.read_text().splitlines()[1:] if path.is_file() else []:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                found.add(_decode_address(local.split(":")[0]))
+    return found
+
+
+def _decode_address(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
 def _join_and_all_reduce(rank: int, world_size: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -39,6 +73,7 @@ def _join_and_all_reduce(rank: int, world_size: int, port: int, queue) -> None:
         value = torch.tensor([float(rank + 1)])
         dist.all_reduce(value)
         env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+        env["listening"] = sorted(_listening_addresses())
         queue.put((rank, start, value.item(), dist.get_backend(), env))
         dist.destroy_process_group()
     except BaseException as err:
@@ -107,6 +142,11 @@ def test_setup_distributed_joins_every_rank_with_rank_zero_as_master():
         assert start == 0, f"rank {rank} failed: {total}"
         assert total == 3.0  # 1 + 2: both ranks are in one group
         assert backend == "gloo"
+        # A loopback master: the store and gloo's pairs listen on loopback only, never on the
+        # machine's network addresses (torch's own store would listen on all of them).
+        listening = env.pop("listening")
+        assert all(ipaddress.ip_address(a).is_loopback for a in listening), listening
+        assert listening or not Path("/proc/self/fd").is_dir(), "rank 0 listens for the store"
         assert env == {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "WORLD_SIZE": str(world_size),

@@ -37,6 +37,11 @@ def bad_values(sample: Sample) -> object:
     return {"str": "1.0", "nan": float("nan"), "none": None, "bool": True}[sample.label]
 
 
+def magnitude(sample: Sample) -> float:
+    """The label as a number: rewards of any magnitude ("1e308"), or "nan"."""
+    return float(sample.label)
+
+
 def raises_timeout(sample: Sample) -> float:
     raise TimeoutError("upstream judge timed out")
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles.backends.training_utils.batching.sample import Sample
-from miles.rollout.rewards import RewardConfig, RewardHub
+from miles.rollout.rewards import RewardConfig, RewardFailureRateError, RewardHub
+from miles.rollout.rewards.hub import check_failure_rate
 
 HERE = Path(__file__).parent
 
@@ -52,7 +53,9 @@ def test_a_raising_reward_gets_the_failure_score_and_the_rest_are_scored(caplog)
     assert report.failures == 1
     assert report.metrics() == {"reward/failures": 1.0, "reward/failure_rate": pytest.approx(1 / 3)}
     assert samples[1].metadata["reward_error"] == "RuntimeError: cannot score 'bad'"
-    assert report.failure_messages == ["sample 1: RuntimeError: cannot score 'bad'"]
+    assert report.failure_messages == [
+        "sample 1 (reward 'flaky'): RuntimeError: cannot score 'bad'"
+    ]
     assert "reward_error" not in samples[0].metadata
     # Logged once for the batch, with the count and the first message.
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -66,7 +69,7 @@ def test_failure_messages_keep_only_the_first_few_but_count_all():
     report = score(custom("flaky"), samples)
     assert report.failures == 8
     assert report.rewards == [0.0] * 8
-    assert [m.split(":")[0] for m in report.failure_messages] == [f"sample {i}" for i in range(5)]
+    assert [m.split(" (")[0] for m in report.failure_messages] == [f"sample {i}" for i in range(5)]
     assert report.metrics()["reward/failure_rate"] == 1.0
 
 
@@ -109,6 +112,55 @@ def test_non_numbers_and_non_finite_rewards_are_failures_but_bools_count():
     assert "NoneType" in samples[2].metadata["reward_error"]
 
 
+def test_a_non_finite_reward_is_refused_naming_the_sample_its_group_and_the_reward(caplog):
+    samples = [make_sample(label="ok", group=0), make_sample(label="nan", group=3)]
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.rewards.hub"):
+        report = score(custom("bad_values", reward_failure_score=-1.0), samples[1:])
+    assert report.rewards == [-1.0]
+    assert report.failure_messages == [
+        "sample 0 of group 3 (reward 'bad_values'): ValueError: reward returned nan, not a "
+        "finite number"
+    ]
+    assert "sample 0 of group 3 (reward 'bad_values')" in caplog.text
+
+
+def test_rewards_beyond_1e6_are_kept_and_warned_about_naming_the_sample_and_the_reward(caplog):
+    samples = [make_sample(label=label, group=1) for label in ("1e308", "1e200", "1")]
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.rewards.hub"):
+        report = score(custom("magnitude"), samples)
+    assert report.rewards == [1e308, 1e200, 1.0] and report.failures == 0
+    assert "reward/clipped" not in report.metrics()
+    warning = caplog.text
+    assert "2 of 3 rewards exceed 1e+06 in magnitude" in warning and "--reward-clip" in warning
+    assert "sample 0 of group 1 (reward 'magnitude'): 1e+308" in warning
+
+
+def test_reward_clip_bounds_every_reward_and_counts_the_clipped(caplog):
+    samples = [make_sample(label=label) for label in ("1e308", "-1e200", "1", "nan")]
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.rewards.hub"):
+        report = score(custom("magnitude", reward_clip=5.0), samples)
+    # NaN is no magnitude to clip: it stays a failure.
+    assert report.rewards == [5.0, -5.0, 1.0, 0.0] and report.failures == 1
+    assert report.metrics()["reward/clipped"] == 2.0
+    assert "exceed" not in caplog.text
+
+
+def test_a_rollout_whose_reward_fails_too_often_stops_naming_the_errors():
+    samples = [make_sample(f"s{i}", label="boom" if i < 6 else "ok") for i in range(10)]
+    report = score(custom("flaky"), samples)
+    check_failure_rate(4, 10, [], max_rate=0.5, rollout_id=2)  # 40%: goes on
+    with pytest.raises(RewardFailureRateError) as error:
+        check_failure_rate(
+            report.failures, len(report.rewards), report.failure_messages, max_rate=0.5,
+            rollout_id=2,
+        )  # fmt: skip
+    message = str(error.value)
+    assert "6 of 10 samples of rollout 2 failed their reward (60%" in message
+    assert "--max-reward-failure-rate 0.5" in message
+    assert "sample 0 (reward 'flaky'): RuntimeError: cannot score 's0'" in message
+    check_failure_rate(10, 10, ["x"], max_rate=1.0, rollout_id=2)  # 1: never stops
+
+
 def test_a_reward_past_the_timeout_fails_without_stalling_the_batch():
     report = score(custom("sleeps_forever", rm_timeout_s=0.2), [make_sample(), make_sample()])
     assert report.failures == 2
@@ -117,7 +169,9 @@ def test_a_reward_past_the_timeout_fails_without_stalling_the_batch():
 
 def test_a_timeout_error_raised_by_the_function_keeps_its_own_message():
     report = score(custom("raises_timeout", rm_timeout_s=30), [make_sample()])
-    assert report.failure_messages == ["sample 0: TimeoutError: upstream judge timed out"]
+    assert report.failure_messages == [
+        "sample 0 (reward 'raises_timeout'): TimeoutError: upstream judge timed out"
+    ]
 
 
 def test_a_slow_sync_reward_times_out_too():
@@ -205,6 +259,10 @@ def test_unknown_rm_type_suggests_the_closest(typo, suggestion):
         ({"rm_timeout_s": 0}, "--rm-timeout-s"),
         ({"rm_concurrency": 0}, "--rm-concurrency"),
         ({"reward_failure_score": float("nan")}, "--reward-failure-score"),
+        ({"reward_clip": 0.0}, "--reward-clip .* positive finite bound"),
+        ({"reward_clip": float("inf")}, "--reward-clip .* positive finite bound"),
+        ({"reward_clip": 1.0, "reward_failure_score": -2.0}, "outside --reward-clip"),
+        ({"max_reward_failure_rate": 1.5}, "--max-reward-failure-rate .* in \\[0, 1\\]"),
         ({"rm_type": "custom", "custom_rm_path": "no_function_named"}, "package.module:function"),
     ],
 )

@@ -311,7 +311,7 @@ def check_fault_tolerance(engine: EngineConfig, cluster: ClusterConfig) -> None:
         raise ValueError(
             "--use-fault-tolerance restarts a lost engine at once, but with --colocate it "
             "shares its devices with the trainer, which may hold them then; drop one of the two "
-            "flags (fault tolerance is on by default for several separate engines)"
+            "flags (fault tolerance is on by default for engines that are not colocated)"
         )
 
 

@@ -97,7 +97,8 @@ class EngineConfig:
     use_fault_tolerance: bool | None = None
     """Health-check the engines and restart a dead or hung one: its requests go to the others
     (a group whole), and it rejoins with the current weights; an external engine is left out
-    for good instead. None: on with more than one engine."""
+    for good instead. None: on unless the engines are colocated (one engine included);
+    --no-use-fault-tolerance turns it off."""
     max_engine_restarts: int = 3
     """Restarts allowed per engine before the run stops (with fault tolerance)."""
     rollout_health_check_interval_s: float = 5.0

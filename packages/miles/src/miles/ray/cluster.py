@@ -1,4 +1,5 @@
-"""Connecting the driver to Ray: join a cluster when given one, otherwise start a local one.
+"""Connecting the driver to Ray: join a cluster when given one, otherwise start a local one; and
+the address the run's servers bind (`bind_host`).
 
 Starting a local instance is explicit (`address="local"`): a bare `ray.init()` would silently join
 whatever cluster was last started on the machine, which is someone else's job on a shared host.
@@ -8,10 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 import ray
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _keep_workers_in_this_environment() -> None:
@@ -59,3 +65,16 @@ def init_ray(
         include_dashboard=False,
         log_to_driver=log_to_driver,
     )
+
+
+def bind_host(external_engine_urls: Iterable[str] = ()) -> str | None:
+    """Where the run's engines and train ranks listen and are reached: loopback (`LOOPBACK`)
+    when the whole Ray cluster is one node, so nothing of the run is exposed on the machine's
+    network; None (each node's own address) with several nodes, or when an external engine
+    elsewhere must reach trainer rank 0 for the weight updates."""
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if len(alive) != 1:
+        return None
+    if any(urlsplit(url).hostname not in _LOOPBACK_NAMES for url in external_engine_urls):
+        return None
+    return LOOPBACK

@@ -173,6 +173,8 @@ class EngineFleet:
             devices = self.placement.engine_devices(i) if self.placement else None
             spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
             spec["admin_api_key"] = self._admin_key
+            if self.placement is not None and self.placement.bind_host is not None:
+                spec["host"] = self.placement.bind_host  # else the actor's node address
             self.engine_actors.append(actor)
             self._engine_specs.append(spec)
             starts.append(actor.start.remote(engine, spec))
@@ -217,11 +219,12 @@ class EngineFleet:
 
     @property
     def fault_tolerant(self) -> bool:
-        """--use-fault-tolerance, or by default: more than one engine (not colocated)."""
+        """--use-fault-tolerance, or by default: engines not colocated (one is enough: it is
+        restarted while the rollout waits, where without fault tolerance its loss ends the run)."""
         choice = self.config.engine.use_fault_tolerance
         if choice is not None:
             return choice
-        return len(self.engine_urls) > 1 and not self.config.cluster.colocate
+        return bool(self.engine_urls) and not self.config.cluster.colocate
 
     def _engine_actor(self, index: int, has_gpus: bool) -> Any:
         colocate = self.config.cluster.colocate

@@ -53,6 +53,9 @@ class Placement:
     """Physical bundle index in `group` of each logical bundle index."""
     bundle_devices: list[str] | None = None
     """The GPU id (on its node) of each logical bundle; None when the bundles hold no GPUs."""
+    bind_host: str | None = None
+    """The address every engine and train rank binds (`cluster.bind_host`: loopback on one
+    node); None: each node's own address."""
 
     def actor_scheduling(self, rank: int) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy that puts train rank `rank` on its bundle."""
@@ -110,8 +113,10 @@ def create_placement(
     timeout_s: float = 600.0,
     log_every_s: float = 10.0,
     name: str | None = None,
+    bind_host: str | None = None,
 ) -> Placement:
-    """Reserve the plan's bundles (strategy PACK) and map them onto nodes.
+    """Reserve the plan's bundles (strategy PACK) and map them onto nodes; `bind_host` is
+    recorded for the processes placed in them (`Placement.bind_host`).
 
     While Ray waits for resources, logs what is needed and what the cluster has every
     `log_every_s`. On timeout the group is removed and TimeoutError says both and the fix.
@@ -148,6 +153,7 @@ def create_placement(
         bundle_nodes=[physical_nodes[i] for i in bundle_indices],
         bundle_indices=bundle_indices,
         bundle_devices=[devices[i] for i in bundle_indices] if devices else None,
+        bind_host=bind_host,
     )
     _warn_split_engines(placement)
     logger.info(

@@ -40,7 +40,12 @@ from miles.rollout.loader import load_rollout
 from miles.rollout.mixture import MixtureSource, source_config, source_reward
 from miles.rollout.rewards import RewardHub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES, RewardConfig
-from miles.rollout.rewards.hub import RewardTally, reward_tally_metrics
+from miles.rollout.rewards.hub import (
+    MAX_FAILURE_MESSAGES,
+    RewardTally,
+    check_failure_rate,
+    reward_tally_metrics,
+)
 from miles.rollout.rollout_config import RolloutConfig
 from miles.utils.checkpoint_layout import atomic_write_text, latest_rollout_id, rollout_state_path
 from miles.utils.hf_config import hf_config_value
@@ -100,9 +105,7 @@ class RolloutManager:
         self.engines = EngineFleet(config, placement, external_admin_key=external_admin_key)
         self._data: _Prompts | None = None
         self.startup_seconds: dict[str, float] = {}
-        self._reward_metrics: dict[str, float] = {}
-        self._reward_failures = self._reward_scored = 0
-        self._reward_tallies: dict[str, RewardTally] = {}
+        self._reset_reward_tallies()
         self._fully_async: FullyAsyncRollouts | None = None
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
         self._train_data_import: asyncio.Future[ModuleType] | None = None
@@ -292,9 +295,7 @@ class RolloutManager:
         "metrics": {...}}. Rank r trains on `data[r]`."""
         start = time.perf_counter()
         self._start_train_data_import()
-        self._reward_metrics = {}
-        self._reward_failures = self._reward_scored = 0
-        self._reward_tallies: dict[str, RewardTally] = {}
+        self._reset_reward_tallies()
         try:
             groups, metrics = await self._rollout(rollout_id)
         except EngineError as err:
@@ -302,16 +303,20 @@ class RolloutManager:
         unscored = [g for g in groups if any(s.reward is None for s in g)]
         if unscored:  # a custom rollout function may leave scoring to the hub
             await self._score(unscored)
-        result = await self._train_data(groups, metrics)
+        result = await self._train_data(rollout_id, groups, metrics)
         result["metrics"]["rollout/time_s"] = time.perf_counter() - start
         return result
 
     async def _train_data(
-        self, groups: list[list[Any]], metrics: dict[str, float]
+        self, rollout_id: int, groups: list[list[Any]], metrics: dict[str, float]
     ) -> dict[str, Any]:
         """Scored groups as train data: {"data": [ObjectRef per DP rank], "metrics": {...}}.
         Every way of making a rollout (one rollout at a time, or taken from the fully-async
-        buffer) ends here."""
+        buffer) ends here: a reward that failed too often stops it before it trains."""
+        check_failure_rate(
+            self._reward_failures, self._reward_scored, self._reward_failure_messages,
+            max_rate=self.config.reward.max_reward_failure_rate, rollout_id=rollout_id,
+        )  # fmt: skip
         train_data = await self._train_data_module()
         teachers = self.engines.teachers
         if teachers is not None:  # --use-opd: the teacher's log-prob of every response token
@@ -338,10 +343,22 @@ class RolloutManager:
         output = await self.rollout.generate_rollout(self._train_context(), rollout_id)
         return output.groups, dict(output.metrics)
 
+    def _reset_reward_tallies(self) -> None:
+        """Forget the reward tallies of the last rollout: each rollout counts its own."""
+        self._reward_metrics: dict[str, float] = {}
+        self._reward_failures = self._reward_scored = 0
+        self._reward_failure_messages: list[str] = []
+        self._reward_tallies: dict[str, RewardTally] = {}
+
     async def _score(self, groups: list[list[Any]]) -> Any:
         report = await self.reward_hub.score_groups(groups)
         self._reward_failures += report.failures
         self._reward_scored += len(report.rewards)
+        room = MAX_FAILURE_MESSAGES - len(self._reward_failure_messages)
+        self._reward_failure_messages += report.failure_messages[:room]
+        if report.clipped is not None:
+            clipped = self._reward_metrics.get("reward/clipped", 0.0) + report.clipped
+            self._reward_metrics["reward/clipped"] = clipped
         self._reward_metrics["reward/failures"] = float(self._reward_failures)
         self._reward_metrics["reward/failure_rate"] = self._reward_failures / max(
             1, self._reward_scored
@@ -494,12 +511,10 @@ class RolloutManager:
             groups, metrics = await self._fully_async.take(self.config.rollout.rollout_batch_size)
         except EngineError as err:
             raise self.engines.explain(err) from err
-        result = await self._train_data(groups, metrics)
+        result = await self._train_data(rollout_id, groups, metrics)
         result["metrics"]["rollout/time_s"] = time.perf_counter() - start
         # Scoring runs all the time: each rollout reports what was scored since the last one.
-        self._reward_metrics = {}
-        self._reward_failures = self._reward_scored = 0
-        self._reward_tallies: dict[str, RewardTally] = {}
+        self._reset_reward_tallies()
         return result
 
     async def pause_for_weight_update(self) -> None:

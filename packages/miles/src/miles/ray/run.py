@@ -18,7 +18,7 @@ import ray
 from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 from miles.backends.training_utils.algorithms.registry import loss_spec
 from miles.config.miles_config import MilesConfig
-from miles.ray.cluster import init_ray
+from miles.ray.cluster import bind_host, init_ray
 from miles.ray.critic_ranks import train_policy_and_critic
 from miles.ray.placement import Placement, create_placement, plan_for_config, remove_placement
 from miles.ray.rollout_manager import RolloutManager
@@ -115,6 +115,11 @@ class Run:
             {"--output-dir": config.logging.output_dir, "--save": config.checkpoint.save}
         )
         resumed = checkpoint_to_resume(config.checkpoint.load, config.checkpoint.save)
+        if config.critic.critic_load:  # verified too, and no newer than the policy it trains with
+            checkpoint_to_resume(
+                config.critic.critic_load, config.critic.critic_save, flag="--critic-load",
+                at_most=resumed,
+            )  # fmt: skip
         claim_output_dir(
             config.logging.output_dir,
             resuming=resumed is not None,
@@ -134,7 +139,10 @@ class Run:
         with clock.phase("ray"):
             has_gpus = self._join_ray()
         with clock.phase("placement"):
-            self.placement = create_placement(plan_for_config(config, use_gpus=has_gpus))
+            self.placement = create_placement(
+                plan_for_config(config, use_gpus=has_gpus),
+                bind_host=bind_host(config.cluster.external_engine_urls),
+            )
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         # External engines' admin key comes from the driver's environment, as a reference

@@ -38,12 +38,13 @@ class TrainRankError(RuntimeError):
 
 
 @ray.remote(num_cpus=0)
-def _master_address() -> tuple[str, int]:
-    """Run in rank 0's bundle: this node's address and a port free on it."""
+def _master_address(host: str | None) -> tuple[str, int]:
+    """Run in rank 0's bundle: `host` (default: this node's address) and a port free on it."""
+    host = host or ray.util.get_node_ip_address()
     with socket.socket() as sock:
-        sock.bind(("", 0))
+        sock.bind((host, 0))
         port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return host, port
 
 
 class TrainRank:
@@ -103,7 +104,7 @@ class RayTrainGroup:
         share = COLOCATED_TRAIN_SHARE if colocate else 1.0
         schedule = placement.critic_scheduling if critic else placement.actor_scheduling
         master_addr, master_port = ray.get(
-            _master_address.options(scheduling_strategy=schedule(0)).remote(),
+            _master_address.options(scheduling_strategy=schedule(0)).remote(placement.bind_host),
             timeout=call_timeout_s,
         )
         remote_class = ray.remote(TrainRank)

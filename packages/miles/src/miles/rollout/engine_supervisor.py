@@ -113,9 +113,9 @@ class EngineSupervisor:
         for url, (ok, answer) in zip(serving, answers, strict=True):
             if not ok and self.states[url] is EngineState.SERVING:
                 lost.append(url)
-                self.pool.mark_lost(
-                    url, f"/health gave no answer within {self.config.timeout_s:.0f} s: {answer}"
-                )
+                # The probe's own words: a refused or reset connection, an HTTP error, or
+                # no complete answer within the timeout.
+                self.pool.mark_lost(url, f"/health failed: {answer}")
         return lost
 
     def _on_lost(self, url: str, reason: str) -> None:

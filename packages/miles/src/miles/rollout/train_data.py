@@ -45,9 +45,27 @@ def build_train_data(
         sample.index = position  # unique within the rollout, in group order
     raw = torch.tensor([_reward(s) for s in samples], dtype=torch.float64)  # (N,)
     shaped = shape_rewards(raw, loss, group_size=group_size)  # (N,)
+    _check_fits_float32(samples, raw, shaped, loss.advantage_estimator)
     batch = samples_to_rollout_batch(samples, shaped.tolist())
     partitions = dp_partitions(batch["total_lengths"], dp_size, balance)
     return split_rollout_batch_by_dp(batch, dp_size, partitions)
+
+
+def _check_fits_float32(
+    samples: list[Sample], raw: torch.Tensor, shaped: torch.Tensor, estimator: str
+) -> None:
+    """The trainer spreads shaped rewards over float32 per-token tensors: a value beyond float32's
+    range would train as inf (and NaN), so it is refused here, before any rank sees it."""
+    limit = torch.finfo(torch.float32).max
+    beyond = (shaped.abs() > limit).nonzero()
+    if len(beyond):
+        i = int(beyond[0, 0])
+        raise ValueError(
+            f"sample {i} (group {samples[i].group_index}) has reward {raw[i].item():g}, "
+            f"{shaped[i].item():g} as --advantage-estimator {estimator} shapes it, beyond the "
+            f"float32 range ({limit:g}) of the trainer's per-token advantages ({len(beyond)} "
+            "such samples); bound the rewards with --reward-clip"
+        )
 
 
 def _reward(sample: Sample) -> float:
@@ -68,7 +86,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
     lengths = [s.response_length for s in samples]
     spread = [len({s.reward for s in g}) > 1 for g in groups]
     metrics = {
-        f"{prefix}/reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        f"{prefix}/reward_mean": _mean(rewards) if rewards else float("nan"),
         f"{prefix}/response_len_mean": statistics.fmean(lengths),
         f"{prefix}/response_len_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": _ratio(samples, SampleStatus.TRUNCATED),
@@ -85,13 +103,23 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
             sources.setdefault(str(sample.metadata[SOURCE_KEY]), []).append(sample)
     for name, members in sorted(sources.items()):
         scored = [float(s.reward) for s in members if s.reward is not None]
-        metrics[f"{prefix}/{name}/reward_mean"] = statistics.fmean(scored) if scored else math.nan
+        metrics[f"{prefix}/{name}/reward_mean"] = _mean(scored) if scored else math.nan
         metrics[f"{prefix}/{name}/samples"] = float(len(members))
     # Multi-turn samples (tool rollouts, agent sessions) say how many model turns they took.
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
     if turns:
         metrics[f"{prefix}/turns_mean"] = statistics.fmean(turns)
     return metrics
+
+
+def _mean(values: list[float]) -> float:
+    """statistics.fmean that never overflows: when the sum leaves float's range (rewards of
+    1e308: "intermediate overflow in fsum"), the values are scaled by their largest magnitude."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        scale = max(abs(v) for v in values)
+        return statistics.fmean([v / scale for v in values]) * scale
 
 
 def _ratio(samples: list[Sample], status: SampleStatus) -> float:

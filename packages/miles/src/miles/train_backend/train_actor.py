@@ -12,8 +12,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
+import ipaddress
 import logging
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -76,6 +78,7 @@ class TrainRayActor(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.master_addr = master_addr
+        self._store_socket: socket.socket | None = None  # rank 0 on loopback: the store's
         self.master_port = int(master_port)
         self.engine: TrainEngine | None = None
         self.critic_engine: TrainEngine | None = None  # --advantage-estimator ppo
@@ -121,13 +124,32 @@ class TrainRayActor(abc.ABC):
             "rank %d of %d: joining the %s process group at %s:%d",
             self.rank, self.world_size, backend, self.master_addr, self.master_port,
         )  # fmt: skip
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not _is_loopback(self.master_addr):
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{_host_for_url(self.master_addr)}:{self.master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+            return
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{_host_for_url(self.master_addr)}:{self.master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+            backend=backend, store=self._loopback_store(timeout), rank=self.rank,
+            world_size=self.world_size, timeout=timeout,
+        )  # fmt: skip
+
+    def _loopback_store(self, timeout: datetime.timedelta) -> dist.TCPStore:
+        """The rendezvous store of a run on one node, listening on loopback only: torch's own
+        TCPStore server binds every interface, so rank 0 hands it a socket bound here."""
+        host = self.master_addr
+        if self.rank != 0:
+            return dist.TCPStore(host, self.master_port, self.world_size, False, timeout)
+        self._store_socket = socket.create_server((host, self.master_port), backlog=128)
+        return dist.TCPStore(
+            host, self.master_port, self.world_size, True, timeout,
+            master_listen_fd=self._store_socket.fileno(),
+        )  # fmt: skip
 
     # -- what a backend implements ------------------------------------------------------------
 
@@ -542,6 +564,15 @@ def _resolve(data_ref: Any) -> RolloutBatch:
         f"train() got data of type {type(data_ref).__name__}; pass this rank's RolloutBatch "
         "(a dict of per-sample lists), or its ray.ObjectRef as a top-level argument"
     )
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def _host_for_url(address: str) -> str:

@@ -9,14 +9,26 @@ last, after both parts, so a crash mid-save leaves the previous checkpoint the l
 "last" is also after the rollout's metrics record is logged (`Run.finish_rollout`): a run killed
 between the two resumes from the previous checkpoint and logs the rollout again, so no record of
 a checkpointed rollout is ever missing.
+
+Each committed checkpoint carries `iter_<N:07d>/manifest.json`, the size and SHA-256 of every file
+of both parts, written just before the pointer: a directory without one is a save that did not
+finish (or an older miles's checkpoint), and `checkpoint_problems` finds a truncated, missing or
+altered file before anything loads it. SHA-256 rather than a faster CRC: `sha256sum` checks it by
+hand, and with SHA extensions it hashes ~1.7 GB/s per core, files in parallel.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+_CHUNK_BYTES = 8 * 2**20
 
 
 def iteration_dir(save_dir: str | os.PathLike, rollout_id: int) -> Path:
@@ -45,8 +57,113 @@ def latest_rollout_id(load_dir: str | os.PathLike) -> int | None:
 
 
 def commit_checkpoint(save_dir: str | os.PathLike, rollout_id: int) -> None:
-    """Name rollout `rollout_id`'s checkpoint the latest: call once all of its parts are written."""
+    """Name rollout `rollout_id`'s checkpoint the latest: call once all of its parts are written.
+
+    Its manifest is written first, then the pointer, so a checkpoint the pointer names is whole."""
+    write_manifest(save_dir, rollout_id)
     atomic_write_text(Path(save_dir) / POINTER_FILE, f"{rollout_id}\n")
+
+
+def checkpoint_ids(save_dir: str | os.PathLike) -> list[int]:
+    """The rollout ids of the `iter_*` directories in `save_dir`, newest first (complete or not)."""
+    ids = []
+    for path in Path(save_dir).glob("iter_*"):
+        suffix = path.name.removeprefix("iter_")
+        if path.is_dir() and suffix.isdigit():
+            ids.append(int(suffix))
+    return sorted(ids, reverse=True)
+
+
+def _checkpoint_files(save_dir: Path, rollout_id: int) -> list[Path]:
+    """Every file of checkpoint `rollout_id`: the backend's directory and the rollout state."""
+    directory = iteration_dir(save_dir, rollout_id)
+    files = [p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE]
+    rollout_state = rollout_state_path(save_dir, rollout_id)
+    if rollout_state.is_file():
+        files.append(rollout_state)
+    return sorted(files)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)  # releases the GIL: files hash in parallel threads
+    return digest.hexdigest()
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def write_manifest(save_dir: str | os.PathLike, rollout_id: int) -> Path:
+    """Record the size and SHA-256 of every file of checkpoint `rollout_id` in its manifest
+    (paths relative to `save_dir`); the last file the checkpoint gets before the pointer."""
+    save_dir = Path(save_dir)
+    files = _checkpoint_files(save_dir, rollout_id)
+    entries = {
+        str(path.relative_to(save_dir)): {"bytes": path.stat().st_size, "sha256": digest}
+        for path, digest in zip(files, _hash_all(files), strict=True)
+    }
+    manifest = {"format": MANIFEST_FORMAT, "rollout_id": rollout_id, "files": entries}
+    path = iteration_dir(save_dir, rollout_id) / MANIFEST_FILE
+    atomic_write_text(path, json.dumps(manifest, indent=1))
+    return path
+
+
+def has_manifest(save_dir: str | os.PathLike, rollout_id: int) -> bool:
+    """Whether checkpoint `rollout_id` was committed with a manifest (miles wrote none before)."""
+    return (iteration_dir(save_dir, rollout_id) / MANIFEST_FILE).is_file()
+
+
+def checkpoint_problems(save_dir: str | os.PathLike, rollout_id: int) -> list[str]:
+    """What is wrong with checkpoint `rollout_id` (empty: nothing), each naming the file.
+
+    With a manifest every listed file must exist with its size and checksum; without one (an
+    older miles's checkpoint) only its meta.json is checked, which must be readable JSON."""
+    save_dir = Path(save_dir)
+    directory = iteration_dir(save_dir, rollout_id)
+    if not directory.is_dir():
+        return [f"{directory} does not exist"]
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return _meta_problems(directory)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        entries = manifest["files"]
+        expected = {name: (int(e["bytes"]), str(e["sha256"])) for name, e in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return [f"{manifest_path} is unreadable ({type(err).__name__}: {err})"]
+    problems, to_hash = [], []
+    for name, (size, _) in sorted(expected.items()):
+        path = save_dir / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif (actual := path.stat().st_size) != size:
+            problems.append(
+                f"{path} has {actual} bytes, {size} when saved (truncated or rewritten)"
+            )
+        else:
+            to_hash.append(name)
+    digests = _hash_all([save_dir / name for name in to_hash])
+    for name, digest in zip(to_hash, digests, strict=True):
+        if digest != expected[name][1]:
+            problems.append(
+                f"{save_dir / name} does not match its SHA-256 (its bytes changed since the save)"
+            )
+    return problems
+
+
+def _meta_problems(directory: Path) -> list[str]:
+    meta = directory / "meta.json"
+    if not meta.is_file():
+        return [f"{meta} is missing (the save did not finish)"]
+    try:
+        json.loads(meta.read_text())
+    except ValueError as err:
+        return [f"{meta} is not valid JSON ({err})"]
+    return []
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

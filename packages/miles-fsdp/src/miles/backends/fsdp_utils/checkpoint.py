@@ -38,6 +38,7 @@ from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,
     atomic_write_text,
+    checkpoint_problems,
     commit_checkpoint,
     iteration_dir,
     latest_rollout_id,
@@ -169,7 +170,7 @@ def load_checkpoint(
             f"checkpoint {path} is incomplete or missing (no {META_FILE}: its save did not "
             f"finish); load an earlier iteration, or point {POINTER_FILE} at a complete one"
         )
-    meta = json.loads((path / META_FILE).read_text())
+    meta = _read_meta(path)
     if bool(meta.get("trainable_only", False)) != trainable_only:
         saved = "LoRA adapters only" if meta.get("trainable_only") else "every weight"
         raise ValueError(
@@ -187,6 +188,16 @@ def load_checkpoint(
     _load_rng(path / "rng" / f"rank_{_rank()}.pt", meta["world_size"])
     logger.info("loaded checkpoint of rollout %d from %s", rollout_id, path)
     return meta
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        return json.loads((path / META_FILE).read_text())
+    except ValueError as err:  # an empty or cut-off file: name it, not only the JSON position
+        raise ValueError(
+            f"checkpoint {path} is damaged: {path / META_FILE} is not valid JSON ({err}); load "
+            f"an earlier iteration, or point {POINTER_FILE} at a complete one"
+        ) from None
 
 
 def _load_model_and_optimizer(
@@ -342,7 +353,10 @@ def export_checkpoint_to_hf(
                 f"{POINTER_FILE}); pass the --save directory of a run or one of its iter_* dirs"
             )
         path = iteration_dir(path, rollout_id)
-    meta = json.loads((path / META_FILE).read_text())
+    if path.name.startswith("iter_") and path.name[5:].isdigit():  # a run's: check its manifest
+        if problems := checkpoint_problems(path.parent, int(path.name[5:])):
+            raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    meta = _read_meta(path)
     source = hf_checkpoint or meta.get("extra", {}).get("hf_checkpoint")
     if not source:
         raise ValueError(

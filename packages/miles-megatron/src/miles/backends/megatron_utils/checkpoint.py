@@ -121,7 +121,13 @@ def load(load_dir: str, model: Any, optimizer: Any, scheduler: Any) -> dict | No
             f"checkpoint {path} is incomplete (no {META_FILE}); point {POINTER_FILE} at a "
             "complete iteration"
         )
-    meta = json.loads((path / META_FILE).read_text())
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except ValueError as err:  # an empty or cut-off file: name it, not only the JSON position
+        raise ValueError(
+            f"checkpoint {path} is damaged: {path / META_FILE} is not valid JSON ({err}); point "
+            f"{POINTER_FILE} at a complete iteration"
+        ) from None
     _initialize_optimizer_state(optimizer)
     model_state = model.module.sharded_state_dict()
     template = {

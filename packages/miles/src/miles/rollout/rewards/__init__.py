@@ -15,7 +15,9 @@ A reward function that fails never stops the run: see `miles.rollout.rewards.hub
 from miles.rollout.rewards.config import BUILTIN_RM_TYPES, RM_TYPES, RewardConfig, RmType
 from miles.rollout.rewards.hub import (
     BUILTIN_REWARDS,
+    LARGE_REWARD,
     MAX_FAILURE_MESSAGES,
+    RewardFailureRateError,
     RewardHub,
     RewardReport,
     RewardTimeoutError,
@@ -34,11 +36,13 @@ from miles.rollout.rewards.text import (
 __all__ = [
     "BUILTIN_REWARDS",
     "BUILTIN_RM_TYPES",
+    "LARGE_REWARD",
     "MAX_FAILURE_MESSAGES",
     "RM_TYPES",
     "RemoteRewardError",
     "RemoteRewardModel",
     "RewardConfig",
+    "RewardFailureRateError",
     "RewardHub",
     "RewardReport",
     "RewardTimeoutError",

@@ -45,6 +45,12 @@ class RewardConfig:
     reward_key: str | None = None
     """Remote/custom only: when the reward returns a dict, the key holding the reward (default
     `reward`)."""
+    reward_clip: float | None = None
+    """Clip every reward into [-reward_clip, reward_clip] (counted as `reward/clipped`); None:
+    off, and rewards beyond 1e6 in magnitude are only warned about."""
+    max_reward_failure_rate: float = 0.5
+    """Stop the run when more than this fraction of a rollout's samples fail their reward
+    (raise, time out, or return a non-number or a non-finite one), naming the errors; 1: never."""
 
     def __post_init__(self) -> None:
         self._check_rm_type()
@@ -120,6 +126,24 @@ class RewardConfig:
             )
         if self.rm_concurrency < 1:
             raise ValueError(f"--rm-concurrency ({self.rm_concurrency}) must be at least 1")
+        if self.reward_clip is not None and not (
+            self.reward_clip > 0 and math.isfinite(self.reward_clip)
+        ):
+            raise ValueError(
+                f"--reward-clip ({self.reward_clip}) must be a positive finite bound on the "
+                "reward's magnitude, e.g. --reward-clip 10; drop it to leave rewards unclipped"
+            )
+        if self.reward_clip is not None and abs(self.reward_failure_score) > self.reward_clip:
+            raise ValueError(
+                f"--reward-failure-score ({self.reward_failure_score}) lies outside --reward-clip "
+                f"({self.reward_clip}); choose a failure score within [-{self.reward_clip}, "
+                f"{self.reward_clip}]"
+            )
+        if not 0 <= self.max_reward_failure_rate <= 1:
+            raise ValueError(
+                f"--max-reward-failure-rate ({self.max_reward_failure_rate}) must be a fraction "
+                "in [0, 1]: 0 stops at the first failing reward, 1 never stops"
+            )
         if not math.isfinite(self.reward_failure_score):
             raise ValueError(
                 f"--reward-failure-score ({self.reward_failure_score}) must be a finite number: "

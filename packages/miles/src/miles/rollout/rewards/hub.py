@@ -6,8 +6,14 @@ Failure rule (architecture.md: "Design rules"): a sample whose reward function r
 key) gets
 `--reward-failure-score` as its reward and the message in `sample.metadata["reward_error"]`.
 Failures are counted in the `RewardReport` (`reward/failures`, `reward/failure_rate`), logged once
-per batch with the count and the first message, and the run continues: the hub never raises for a
-failing reward function. With `--group-rm`, a group whose call fails fails all its samples.
+per batch with the count and the first message (its sample and reward named), and the batch goes
+on: the hub never raises for a failing reward function. With `--group-rm`, a group whose call fails
+fails all its samples. Past `--max-reward-failure-rate` of a rollout the run stops
+(`check_failure_rate`, called by the rollout's owner once the rollout is scored).
+
+Magnitudes: `--reward-clip` clips rewards into its bound (counted); without it a reward beyond
+`LARGE_REWARD` is kept and warned about, since such scales are usually a reward function's bug
+(group normalisation copes with any finite reward).
 
 A row may name its own reward (`metadata["rm_type"]`, `miles.rollout.rewards.sample_reward`):
 each sample is scored with the reward its metadata names, else with the run's, and the report
@@ -47,6 +53,8 @@ BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {
 MAX_FAILURE_MESSAGES = 5
 """How many failure messages a `RewardReport` keeps; the count covers all of them."""
 _DEFAULT_REWARD_KEY = "reward"
+LARGE_REWARD = 1e6
+"""Without --reward-clip, rewards beyond this magnitude are warned about (with the sample)."""
 
 # One evaluation's outcome: the reward, or None and the error message.
 _Outcome = tuple[float | None, str | None]
@@ -56,17 +64,41 @@ class RewardTimeoutError(TimeoutError):
     """One evaluation ran past `--rm-timeout-s`."""
 
 
+class RewardFailureRateError(RuntimeError):
+    """More of a rollout's samples failed their reward than --max-reward-failure-rate allows."""
+
+
+def check_failure_rate(
+    failures: int, scored: int, messages: list[str], *, max_rate: float, rollout_id: int
+) -> None:
+    """Stop (RewardFailureRateError) when `failures` of `scored` samples exceed `max_rate`; the
+    message quotes the first failure `messages`."""
+    if scored == 0 or failures / scored <= max_rate:
+        return
+    quoted = "; ".join(messages[:MAX_FAILURE_MESSAGES])
+    raise RewardFailureRateError(
+        f"{failures} of {scored} samples of rollout {rollout_id} failed their reward "
+        f"({failures / scored:.0%}, above --max-reward-failure-rate {max_rate:g}); first "
+        f"failures: {quoted}. Fix the reward function, or raise --max-reward-failure-rate "
+        "(1 never stops) to train on --reward-failure-score instead"
+    )
+
+
 @dataclass
 class RewardTally:
-    """Samples scored by one reward, the sum of their rewards, and how many failed."""
+    """Samples scored by one reward, the mean of their rewards, and how many failed."""
 
     samples: int = 0
-    total: float = 0.0
+    mean: float = 0.0
+    """Kept as a mean, not a sum: a sum of rewards of 1e308 overflows to inf; weighted means
+    of finite values never do."""
     failures: int = 0
 
     def add(self, other: RewardTally) -> None:
-        self.samples += other.samples
-        self.total += other.total
+        total = self.samples + other.samples
+        if total:
+            self.mean = self.mean * (self.samples / total) + other.mean * (other.samples / total)
+        self.samples = total
         self.failures += other.failures
 
 
@@ -82,13 +114,20 @@ class RewardReport:
     """Tallies by reward name (`SampleReward.name`)."""
     named_own: bool = False
     """Whether a sample named its own reward (`metadata.rm_type`)."""
+    clipped: int | None = None
+    """Rewards clipped into --reward-clip; None without it."""
 
     def metrics(self) -> dict[str, float]:
-        """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch), and by
-        reward name (`reward_tally_metrics`) where a sample named its own."""
+        """`reward/failures` (count) and `reward/failure_rate` (fraction of the batch), by
+        reward name (`reward_tally_metrics`) where a sample named its own, and `reward/clipped`
+        with --reward-clip."""
         rate = self.failures / len(self.rewards) if self.rewards else 0.0
         tallies = reward_tally_metrics(self.by_reward) if self.named_own else {}
-        return {"reward/failures": float(self.failures), "reward/failure_rate": rate, **tallies}
+        clipped = {} if self.clipped is None else {"reward/clipped": float(self.clipped)}
+        return {
+            "reward/failures": float(self.failures), "reward/failure_rate": rate, **tallies,
+            **clipped,
+        }  # fmt: skip
 
 
 def reward_tally_metrics(tallies: dict[str, RewardTally]) -> dict[str, float]:
@@ -96,7 +135,7 @@ def reward_tally_metrics(tallies: dict[str, RewardTally]) -> dict[str, float]:
     `/failures` of each reward."""
     metrics = {}
     for name, tally in sorted(tallies.items()):
-        metrics[f"reward/{name}/mean"] = tally.total / max(tally.samples, 1)
+        metrics[f"reward/{name}/mean"] = tally.mean
         metrics[f"reward/{name}/samples"] = float(tally.samples)
         metrics[f"reward/{name}/failures"] = float(tally.failures)
     return metrics
@@ -216,17 +255,26 @@ class RewardHub:
     ) -> RewardReport:
         """Write rewards onto the samples, the failure score onto failed ones, and report
         (tallied by reward `names`)."""
-        report = RewardReport(rewards=[])
+        clip = self.config.reward_clip
+        report = RewardReport(rewards=[], clipped=None if clip is None else 0)
+        large: list[str] = []  # beyond LARGE_REWARD, without --reward-clip
         for position, (sample, (reward, error)) in enumerate(zip(samples, outcomes, strict=True)):
+            group = "" if sample.group_index is None else f" of group {sample.group_index}"
+            where = f"sample {position}{group} (reward {names[position]!r})"
             if error is None:
                 assert reward is not None, "an outcome without an error carries a reward"
                 sample.metadata.pop("reward_error", None)  # left from an earlier scoring
+                if clip is not None and abs(reward) > clip:
+                    reward = max(-clip, min(clip, reward))
+                    report.clipped = (report.clipped or 0) + 1
+                elif clip is None and abs(reward) > LARGE_REWARD:
+                    large.append(f"{where}: {reward:g}")
             else:
                 reward = self.config.reward_failure_score
                 sample.metadata["reward_error"] = error
                 report.failures += 1
                 if len(report.failure_messages) < MAX_FAILURE_MESSAGES:
-                    report.failure_messages.append(f"sample {position}: {error}")
+                    report.failure_messages.append(f"{where}: {error}")
             sample.reward = sample.raw_reward = reward
             report.rewards.append(reward)
             tally = report.by_reward.setdefault(names[position], RewardTally())
@@ -241,6 +289,12 @@ class RewardHub:
                 self.config.reward_failure_score,
                 report.failure_messages[0],
             )
+        if large:
+            logger.warning(
+                "%d of %d rewards exceed %g in magnitude, e.g. %s; such scales usually mean a "
+                "bug in the reward function: bound them with --reward-clip",
+                len(large), len(samples), LARGE_REWARD, "; ".join(large[:3]),
+            )  # fmt: skip
         return report
 
     async def _evaluate_one(self, sample: Sample, reward: SampleReward | str) -> list[_Outcome]:

@@ -2,6 +2,10 @@
 
 A group is `group_size` consecutive samples drawn for one prompt; every sample's reward is compared
 with the others of its group. Pure functions over (B,) rewards.
+
+Safe for any finite reward: a group with a reward beyond 2**256 in magnitude is divided by a power
+of two above its largest one before its sum or variance is taken (exact: only the exponent moves),
+so 1e308 neither overflows the sum nor, squared, the variance. Other groups take the plain path.
 """
 
 from __future__ import annotations
@@ -26,6 +30,34 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.view(-1, group_size)  # (G, group_size)
 
 
+_SCALE_ABOVE = 2.0**256
+"""Groups with a larger magnitude are scaled: squares of 2**256 times a group size stay finite."""
+
+
+def _scales(groups: Tensor) -> Tensor:
+    """(G, 1) per-group divisors: the power of two that brings the group's largest magnitude
+    into [1, 2) where it exceeds `_SCALE_ABOVE`, else 1 (ordinary rewards keep their exact
+    arithmetic). Not into [0.5, 1): that power, 2**1024 for rewards near float's maximum, is inf."""
+    largest = groups.abs().amax(dim=1, keepdim=True)  # (G, 1)
+    _, exponent = torch.frexp(largest)  # largest = m * 2**exponent, 0.5 <= m < 1
+    power = torch.ldexp(torch.ones_like(largest), exponent - 1)
+    return torch.where(largest > _SCALE_ABOVE, power, torch.ones_like(largest))
+
+
+def _unscaled(values: Tensor, scales: Tensor, groups: Tensor) -> Tensor:
+    """`values` (scaled differences of rewards) times their group's scale; a result past
+    float's range is refused rather than turned into inf."""
+    out = values * scales
+    if not torch.isfinite(out).all():
+        bad = int((~torch.isfinite(out)).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"group {bad}'s rewards (from {groups[bad].min().item():g} to "
+            f"{groups[bad].max().item():g}) spread beyond the largest float: its advantages "
+            "cannot be represented; bound the rewards with --reward-clip"
+        )
+    return out
+
+
 def _zero_spread(groups: Tensor) -> Tensor:
     # All-equal groups are compared exactly: a rounded group mean would leave tiny nonzero residues.
     return (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)).expand_as(groups)
@@ -44,9 +76,14 @@ def group_normalize_rewards(
     groups = _grouped(rewards, group_size)  # (G, group_size)
     if groups.numel() == 0:
         return rewards.clone()
-    centered = groups - groups.mean(dim=1, keepdim=True)  # (G, group_size)
+    scales = _scales(groups)  # (G, 1)
+    scaled = groups / scales  # (G, group_size), exact: the divisors are powers of two
+    centered = scaled - scaled.mean(dim=1, keepdim=True)  # (G, group_size), in units of scales
     if std_normalization and group_size > 1:
-        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+        # (r - mean) / (std + eps) with every term divided by the scale: the ratio is unchanged.
+        centered = centered / (scaled.std(dim=1, keepdim=True) + eps / scales)
+    else:
+        centered = _unscaled(centered, scales, groups)
     return torch.where(_zero_spread(groups), 0.0, centered).reshape(-1)  # (B,)
 
 
@@ -59,5 +96,8 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     groups = _grouped(rewards, group_size)  # (G, group_size)
     if group_size == 1 or groups.numel() == 0:
         return torch.zeros_like(rewards)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # (G, group_size)
-    return torch.where(_zero_spread(groups), 0.0, groups - baseline).reshape(-1)  # (B,)
+    scales = _scales(groups)  # (G, 1)
+    scaled = groups / scales  # exact: the divisors are powers of two
+    baseline = (scaled.sum(dim=1, keepdim=True) - scaled) / (group_size - 1)  # (G, group_size)
+    advantages = _unscaled(scaled - baseline, scales, groups)
+    return torch.where(_zero_spread(groups), 0.0, advantages).reshape(-1)  # (B,)
