@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from miles.backends.fsdp_utils.vision import RESPONSE_IMAGE_STAND_IN
+from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
+
 from .distributed import run_distributed
 from .test_actor import (
     SAMPLES,
@@ -66,7 +69,10 @@ def make_image_batch(checkpoint: Path, seed: int = 0) -> dict[str, list]:
         response = rng.randint(2, 6)
         mask = [1] * response
         mask[rng.randrange(response)] = rng.choice([0, 1])
-        batch["tokens"].append([*prompt, *(rng.randrange(256) for _ in range(response))])
+        answer = [rng.randrange(256) for _ in range(response)]
+        if row == 1:  # a model may sample the image token as text: it must train as text
+            answer[0] = IMAGE_PAD_ID
+        batch["tokens"].append([*prompt, *answer])
         batch["response_lengths"].append(response)
         batch["total_lengths"].append(len(batch["tokens"][-1]))
         batch["loss_mask"].append(mask)
@@ -84,14 +90,19 @@ def vlm_log_probs(processor, batch: dict, temperature: float):
     def log_probs_of(model, row):
         tokens, images = batch["tokens"][row], batch["images"][row]
         ids = torch.tensor([tokens])
-        inputs = {"input_ids": ids}
+        response = batch["response_lengths"][row]
+        # What the trainer runs: an image token written in the response enters as its stand-in.
+        inputs = {"input_ids": ids.clone()}
+        written = inputs["input_ids"][0, -response:]
+        written[written == IMAGE_PAD_ID] = RESPONSE_IMAGE_STAND_IN
         if images:
             pixels = processor.image_processor(
                 images=[decode_image(i) for i in images], return_tensors="pt"
             )
-            inputs.update(pixels, mm_token_type_ids=(ids == model.config.image_token_id).int())
+            image_tokens = inputs["input_ids"] == model.config.image_token_id
+            inputs.update(pixels, mm_token_type_ids=image_tokens.int())
         logits = model(**inputs).logits[0]
-        end, response = len(tokens) - 1, batch["response_lengths"][row]
+        end = len(tokens) - 1
         positions = torch.arange(end - response, end)
         return get_log_probs_and_entropy(
             logits[positions], ids[0, positions + 1], temperature=temperature

@@ -272,6 +272,7 @@ def packed_logits(
     if vision is not None:
         real = position_ids < torch.tensor(lengths, device=device).unsqueeze(-1)
         inputs = {"attention_mask": real.long(), **vision(rows)}
+        rows = inputs.pop("input_ids")
         if "pixel_values" not in inputs:
             # No image here: the tower still runs (on a blank one), first, as it would on images,
             # so that every rank gathers and reduces its FSDP units in the same order.

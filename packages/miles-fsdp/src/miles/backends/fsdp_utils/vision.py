@@ -23,6 +23,8 @@ from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 # Decoded and processed images kept per rank: a rollout's images are read by the old-policy,
 # reference and training forwards of the same step (three passes), and a group shares its prompt.
 _PROCESSED_IMAGES = 1024
+RESPONSE_IMAGE_STAND_IN = 0
+"""The id an image token sampled in a response enters the train forward as (see `of`)."""
 
 
 def is_vision_language(config: Any) -> bool:
@@ -46,18 +48,36 @@ class VisionInputs:
 
     def of(self, micro: RolloutBatch, rows: Tensor, device: torch.device) -> dict[str, Tensor]:
         """The forward's image keywords for `rows` (B, L), the micro-batch's documents as padded
-        rows in order: pixel values and grids of every image, row by row, and the token types
-        the model's multimodal rotary positions are computed from. Empty without images."""
-        images = [image for row in micro.get("images", ()) for image in row]
-        if not images:
-            return {}
-        processed = [self._process(image) for image in images]
-        return {
-            "pixel_values": torch.cat([p for p, _ in processed]).to(device),
-            "image_grid_thw": torch.cat([g for _, g in processed]).to(device),
+        rows in order: pixel values and grids of every image, row by row, the token types the
+        model's multimodal rotary positions are computed from, and the input ids to run.
+
+        A response may hold the image token as text (a model can sample any id; the engine, as
+        SGLang, treats it as text): the model would take it for an image's place and refuse
+        the count. Such tokens enter the forward as `RESPONSE_IMAGE_STAND_IN` instead; the
+        log-prob of the sampled token itself is unchanged, the later ones in that response
+        are conditioned on the stand-in (a model that writes image placeholders is rare, and
+        the samples are few)."""
+        starts = torch.tensor(
+            [t - r for t, r in zip(micro["total_lengths"], micro["response_lengths"], strict=True)],
+            device=rows.device,
+        )
+        columns = torch.arange(rows.shape[1], device=rows.device)
+        in_response = columns.unsqueeze(0) >= starts.unsqueeze(1)  # (B, L)
+        written = in_response & (rows == self.image_token_id)
+        if written.any():
+            rows = rows.masked_fill(written, RESPONSE_IMAGE_STAND_IN)
+        inputs = {
+            "input_ids": rows,
             # 1 marks an image token (transformers' convention; 2 would be video).
             "mm_token_type_ids": (rows == self.image_token_id).int(),
         }
+        images = [image for row in micro.get("images", ()) for image in row]
+        if not images:
+            return inputs
+        processed = [self._process(image) for image in images]
+        inputs["pixel_values"] = torch.cat([p for p, _ in processed]).to(device)
+        inputs["image_grid_thw"] = torch.cat([g for _, g in processed]).to(device)
+        return inputs
 
 
 def idle_tower_term(model: nn.Module, device: torch.device) -> Tensor:
