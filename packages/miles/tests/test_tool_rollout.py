@@ -248,10 +248,11 @@ class _ScriptedPool:
     """An engine pool that answers each /generate from a script (a dict, or an error to raise)."""
 
     def __init__(self, script: list) -> None:
-        self.script, self.prompts = list(script), []
+        self.script, self.prompts, self.payloads = list(script), [], []
 
     async def generate(self, payload: dict) -> dict:
         self.prompts.append(payload["input_ids"])
+        self.payloads.append(payload)
         answer = self.script.pop(0)
         if isinstance(answer, Exception):
             raise answer
@@ -293,6 +294,39 @@ def test_an_aborted_exchange_is_handed_back_to_start_again_and_a_refused_turn_tr
     assert refused.loss_mask[: len(pool.prompts[1]) - len(pool.prompts[0])].count(0) > 0  # result
     with pytest.raises(EngineError):  # the first prompt not fitting is the data's fault: loud
         run([EngineError("u", "/generate", 400, "prompt too long")])
+
+
+def test_a_prompt_with_an_image_keeps_it_through_every_turn(tmp_path):
+    """A VLM's tool exchange: the first prompt's image tokens come from the processor, and every
+    turn sends the image again (its tokens stay in the ids)."""
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from miles.backends.sglang_utils.image_data import decode_image
+    from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
+
+    path = build_tiny_checkpoint(tmp_path, architecture="qwen2_5_vl")
+    tokenizer, processor = AutoTokenizer.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    buffer = io.BytesIO()
+    Image.new("RGB", (84, 56), "red").save(buffer, format="PNG")
+    image = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    agent = ToolAgent(tokenizer, ChatTemplate(), load_tools(["tool_fns:add"]), max_turns=3,
+                      timeout_s=5.0, processor=processor)  # fmt: skip
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "2+3?"}]}]
+    sample = Sample(index=0, group_index=0, messages=messages, tokens=[1], images=[image])
+    pool = _ScriptedPool([_answer(tokenizer, CALL), _answer(tokenizer, ANSWER)])
+    done = asyncio.run(agent.generate(pool, sample, {"temperature": 1.0, "max_new_tokens": 300}))
+
+    text = ChatTurns(tokenizer, ChatTemplate())._render(messages, generation_prompt=True)
+    expanded = processor(text=[text], images=[decode_image(image)])["input_ids"][0]
+    assert pool.prompts[0] == expanded and expanded.count(IMAGE_PAD_ID) == 6  # 84x56: 3x2 tokens
+    assert [p["image_data"] for p in pool.payloads] == [[image], [image]]
+    assert done.status == SampleStatus.COMPLETED and done.response == ANSWER
+    assert done.tokens[: len(expanded)] == expanded and done.images == [image]
+    assert done.metadata["tool_calls"] == 1
 
 
 @pytest.mark.cuda

@@ -283,6 +283,11 @@ class RolloutManager:
             tokenizer=self._loaded().tokenizer,
             chat_template=data.chat_template,
             model_path=self.config.checkpoint.hf_checkpoint,
+            processor=(
+                load_processor(self.config.checkpoint.hf_checkpoint)
+                if self._reads_images()
+                else None
+            ),
         )
 
     def _train_context(self) -> RolloutContext:

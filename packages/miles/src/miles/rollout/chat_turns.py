@@ -24,9 +24,16 @@ class ChatTurns:
     """One conversation's renderer: the first prompt, then each turn after a completion."""
 
     def __init__(
-        self, tokenizer: Any, template: ChatTemplate, tools: list[dict[str, Any]] | None = None
+        self,
+        tokenizer: Any,
+        template: ChatTemplate,
+        tools: list[dict[str, Any]] | None = None,
+        processor: Any = None,
     ) -> None:
+        """`processor`: the checkpoint's (a VLM's), for conversations whose first prompt holds
+        images: it expands each image's placeholder to the model's image tokens."""
         self.tokenizer, self.template, self.tools = tokenizer, template, tools
+        self.processor = processor
         # A finished exchange to render new messages after: its text is the same whatever
         # follows, so what follows it is exactly what the template writes for the new messages.
         self._base = [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}]
@@ -53,9 +60,22 @@ class ChatTurns:
         text = text.encode("utf-8", "replace").decode("utf-8")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def first(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The opening prompt: `messages`, then the generation prompt."""
-        return self.encode(self._render(messages, generation_prompt=True))
+    def first(self, messages: list[dict[str, Any]], images: list[str] | None = None) -> list[int]:
+        """The opening prompt: `messages`, then the generation prompt; with `images` (the
+        sample's, in the order the messages place them) through the processor, which expands
+        each image's placeholder to its tokens."""
+        text = self._render(messages, generation_prompt=True)
+        if not images:
+            return self.encode(text)
+        if self.processor is None:
+            raise ValueError(
+                "the conversation has images but no processor reads them: pass --multimodal-keys "
+                "with a vision-language checkpoint"
+            )
+        from miles.backends.sglang_utils.image_data import decode_image
+
+        pixels = [decode_image(image) for image in images]
+        return list(self.processor(text=[text], images=pixels)["input_ids"][0])
 
     def after(self, completion_ids: list[int], new_messages: list[dict[str, Any]]) -> list[int]:
         """The ids to append after a completion: the rest of the template's turn end (all of it
@@ -88,8 +108,10 @@ class ChatTurns:
             return self.turn_end
         return self.turn_end[self.turn_end.index(last) + len(last) :]
 
-    def matches_template(self, messages: list[dict[str, Any]], ids: list[int]) -> bool:
+    def matches_template(
+        self, messages: list[dict[str, Any]], ids: list[int], images: list[str] | None = None
+    ) -> bool:
         """Whether rendering all of `messages` afresh (with the generation prompt) gives `ids`:
         False when the template would write an earlier answer otherwise than it was sampled,
         which the token-exact trajectory then differs from (and counts)."""
-        return self.first(messages) == ids
+        return self.first(messages, images) == ids

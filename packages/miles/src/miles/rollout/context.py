@@ -93,6 +93,9 @@ class RolloutContext:
     """How a chat is rendered (the data settings' template, read once)."""
     model_path: str
     """--hf-checkpoint: the served model's path (the name an OpenAI client asks for)."""
+    processor: Any = None
+    """The checkpoint's processor (`AutoProcessor`) when the data has images (--multimodal-keys):
+    what turns a chat with images into token ids; None for text-only data."""
     requests: RequestSlots = dataclasses.field(init=False)
     """This rollout's request slots (--rollout-concurrency), made with the context; `run_groups`
     runs on a fresh copy of the context, so each of its runs has its own."""

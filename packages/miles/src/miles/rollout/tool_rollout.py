@@ -89,9 +89,10 @@ class ToolAgent:
     tools, the turn and time bounds."""
 
     def __init__(self, tokenizer: Any, template: Any, tools: dict[str, Tool], *,
-                 max_turns: int, timeout_s: float) -> None:  # fmt: skip
+                 max_turns: int, timeout_s: float, processor: Any = None) -> None:  # fmt: skip
         self.tokenizer, self.template, self.tools = tokenizer, template, tools
         self.max_turns, self.timeout_s = max_turns, timeout_s
+        self.processor = processor  # a VLM's, for prompts with images
 
     @classmethod
     def for_context(cls, ctx: RolloutContext) -> ToolAgent:
@@ -105,6 +106,7 @@ class ToolAgent:
             _tools(tuple(rollout.tool_paths)),
             max_turns=rollout.max_turns,
             timeout_s=rollout.tool_timeout_s,
+            processor=ctx.processor,
         )
 
     def _offered(self, sample: Sample) -> dict[str, Tool]:
@@ -127,19 +129,20 @@ class ToolAgent:
                 f"sample {sample.index} has no chat messages: pass --apply-chat-template"
             )
         offered = self._offered(sample)
-        chat = ChatTurns(self.tokenizer, self.template, [t.spec for t in offered.values()] or None)
+        specs = [t.spec for t in offered.values()] or None
+        chat = ChatTurns(self.tokenizer, self.template, specs, self.processor)
         return offered, chat
 
     def first_prompt(self, sample: Sample) -> list[int]:
         """The ids the exchange of `sample` opens with: its chat, with the tools it may call
         shown, and the generation prompt (what a supervised warm-up trains after)."""
-        return self._chat(sample)[1].first(sample.messages)
+        return self._chat(sample)[1].first(sample.messages, sample.images)
 
     async def generate(self, pool: EnginePool, sample: Sample, params: dict[str, Any]) -> Sample:
         """The exchange for one sample (a GenerateFunction)."""
         offered, chat = self._chat(sample)
         conversation = list(sample.messages)
-        trajectory = Trajectory(chat.first(conversation))
+        trajectory = Trajectory(chat.first(conversation, sample.images))
         # A sample aborted part-way was handed back reset (below): it has its whole budget.
         budget, status, answer = params["max_new_tokens"], SampleStatus.TRUNCATED, ""
         failures: Counter = Counter()
@@ -151,14 +154,12 @@ class ToolAgent:
             turn_params = {**params, "max_new_tokens": left}
             if params.get("sampling_seed") is not None:
                 turn_params["sampling_seed"] = params["sampling_seed"] + turn
+            payload = {"input_ids": trajectory.ids, "sampling_params": turn_params,
+                       "return_logprob": True}  # fmt: skip
+            if sample.images:  # the prompt's images, in every turn: its ids hold their tokens
+                payload["image_data"] = sample.images
             try:
-                response = await pool.generate(
-                    {
-                        "input_ids": trajectory.ids,
-                        "sampling_params": turn_params,
-                        "return_logprob": True,
-                    }
-                )
+                response = await pool.generate(payload)
             except EngineError as err:
                 if err.status != 400 or turn == 0:  # the first prompt is the data's to fit
                     raise
@@ -179,7 +180,9 @@ class ToolAgent:
             )
             if turn > 0:  # the first prompt is the template's own rendering
                 sent = trajectory.ids[: len(trajectory.ids) - len(ids)]
-                mismatches += not await asyncio.to_thread(chat.matches_template, conversation, sent)
+                mismatches += not await asyncio.to_thread(
+                    chat.matches_template, conversation, sent, sample.images
+                )
             conversation.append(_assistant_message(answer, calls))
             if status == SampleStatus.ABORTED or not calls:
                 break
