@@ -4,17 +4,13 @@ run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from miles.utils.tracking import read_metrics
+from tests.support.examples import run_example
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "eval/heldout/reward_mean"
 
 
@@ -34,20 +30,8 @@ def failed_calls(run_dir: Path, kind: str) -> float:
 @pytest.mark.timeout(1200)
 def test_the_tool_use_example_learns_to_call_its_calculator(tmp_path):
     out = tmp_path / "tool_use"
-    env = {
-        **os.environ,
-        "MILES_EXAMPLE_OUT": str(out),
-        # The console scripts (miles) live beside this interpreter.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
-    start = time.monotonic()
-    result = subprocess.run(
-        ["bash", str(REPO / "examples/tool_use/run.sh"), "--console", "plain"],
-        env=env, capture_output=True, text=True, timeout=1100,
-    )  # fmt: skip
-    elapsed = time.monotonic() - start
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    print(result.stdout[-800:])
+    stdout, elapsed = run_example("tool_use", "MILES_EXAMPLE_OUT", out)
+    print(stdout[-800:])
     sft, grpo = eval_rewards(out / "sft"), eval_rewards(out / "grpo")
     print(f"held-out reward: {sft[0]:.3f} (start) -> {grpo[0]:.3f} (after SFT) -> {grpo[-1]:.3f}")
     # Measured (README): 0.000 -> 0.488 -> 0.949 with the defaults; rises of +0.46 to +0.49 and

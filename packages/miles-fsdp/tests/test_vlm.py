@@ -18,6 +18,7 @@ from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
 from .distributed import run_distributed
 from .test_actor import (
     SAMPLES,
+    _max_rel_diff,
     capture_full_grads,
     full_params,
     local_shard,
@@ -168,13 +169,6 @@ def _vlm_life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Pat
         "export_matches": exported.keys() == final.keys()
         and all(torch.equal(final[n], exported[n]) for n in exported),
     }  # fmt: skip
-
-
-def _max_rel_diff(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys(), f"parameter names differ: {got.keys() ^ want.keys()}"
-    return max(
-        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12)) for k in want
-    )
 
 
 def test_a_tiny_vlm_trains_like_the_unpacked_reference_resumes_exports_and_freezes(tmp_path):

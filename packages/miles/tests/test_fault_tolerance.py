@@ -52,7 +52,10 @@ class HungEngine:
                 connection, _ = self.sock.accept()
             except OSError:
                 return  # closed
-            self._accepted.append(connection)
+            self._on_connection(connection)
+
+    def _on_connection(self, connection: socket.socket) -> None:
+        self._accepted.append(connection)  # held open, never answered
 
     def close(self) -> None:
         try:
@@ -164,15 +167,10 @@ def test_the_supervisor_restarts_a_hung_engine_and_admits_it_with_the_weights(en
 class ResettingEngine(HungEngine):
     """A socket that accepts each connection and resets it (RST): an engine going down."""
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
-            connection.close()
+    def _on_connection(self, connection: socket.socket) -> None:
+        # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+        connection.close()
 
 
 @pytest.mark.parametrize("failure", ["reset", "hung"])
