@@ -30,10 +30,10 @@ from .test_actor import (
 COLOURS = ("red", "green", "blue", "yellow")
 
 
-def build_vlm(path: Path) -> Path:
+def build_vlm(path: Path, architecture: str = "qwen2_5_vl") -> Path:
     from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(path, architecture="qwen2_5_vl", seed=0)
+    return build_tiny_checkpoint(path, architecture=architecture, seed=0)
 
 
 def image_data(rng: random.Random) -> str:
@@ -112,9 +112,46 @@ def vlm_log_probs(processor, batch: dict, temperature: float):
     return log_probs_of
 
 
-def _vlm_life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Path) -> dict:
+def hub_names(checkpoint: Path) -> set[str]:
     from safetensors import safe_open
+
+    with safe_open(checkpoint / "model.safetensors", "pt") as weights:
+        return set(weights.keys())
+
+
+def reference_of(args, checkpoint: Path, batch: dict):
+    """`reference_training` with the checkpoint as a plain transformers VLM."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    ref_model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
+    temperature = args.spec.rollout_temperature
+    log_probs_of = vlm_log_probs(AutoProcessor.from_pretrained(checkpoint), batch, temperature)
+    return reference_training(args, batch, model=ref_model, log_probs_of=log_probs_of)
+
+
+def _one_step_of(rank: int, checkpoint: Path) -> dict:
+    """Another architecture's first step against its reference, and its weight-sync names."""
+    batch = make_image_batch(checkpoint)
+    args = make_args(checkpoint, use_dynamic_batch_size=True, max_tokens_per_gpu=160)
+    actor, _ = make_actor(rank, 2, args)
+    captured = capture_full_grads(actor)
+    steps = actor.train(0, local_shard(batch, rank, 2))
+    synced = {name for name, _ in actor.engine.named_weights()}
+    if rank != 0:
+        return {}
+    ref_grads, ref_norms, _ = reference_of(args, checkpoint, batch)
+    return {
+        "norms": [m["train/grad_norm"] for m in steps], "ref_norms": ref_norms,
+        "grad_diff": [_max_rel_diff(c, r) for c, r in zip(captured, ref_grads, strict=True)],
+        "synced_names_are_hub_names": synced <= hub_names(checkpoint),
+    }  # fmt: skip
+
+
+def _vlm_life_cycle(
+    rank: int, checkpoint: Path, save_dir: Path, export_dir: Path, qwen3_vl: Path
+) -> dict:
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
 
     batch = make_image_batch(checkpoint)
     # Dynamic micro-batches: several documents (and their images) per forward.
@@ -142,30 +179,26 @@ def _vlm_life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Pat
         part: any(not torch.equal(before[n], after[n]) for n in before if (".visual." in n) == vis)
         for part, vis in (("vision", True), ("language", False))
     }
+    qwen3_vl_step = _one_step_of(rank, qwen3_vl)
     result = {"resumed_start": resumed_start, "frozen_moved": frozen_moved,
               "next_losses": [s["train/loss"] for s in next_steps],
               "resumed_losses": [s["train/loss"] for s in resumed_steps]}  # fmt: skip
     if rank != 0:
         return result
-    with safe_open(checkpoint / "model.safetensors", "pt") as weights:
-        hub_names = set(weights.keys())
+    hub = hub_names(checkpoint)
     model = AutoModelForImageTextToText.from_pretrained(export_dir, dtype=torch.float32)
     exported = {n: p.detach() for n, p in model.named_parameters()}
     with safe_open(export_dir / "model.safetensors", "pt") as weights:
         export_names = set(weights.keys())
-    ref_model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
-    temperature = args.spec.rollout_temperature
-    log_probs_of = vlm_log_probs(AutoProcessor.from_pretrained(checkpoint), batch, temperature)
-    ref_grads, ref_norms, ref_params = reference_training(
-        args, batch, model=ref_model, log_probs_of=log_probs_of
-    )
+    ref_grads, ref_norms, ref_params = reference_of(args, checkpoint, batch)
     return {
         **result,
+        "qwen3_vl": qwen3_vl_step,
         "norms": [m["train/grad_norm"] for m in steps], "ref_norms": ref_norms,
         "grad_diff": [_max_rel_diff(c, r) for c, r in zip(step_grads, ref_grads, strict=True)],
         "param_diff": _max_rel_diff(trained, ref_params),
-        "synced_names_are_hub_names": set(synced) <= hub_names and len(synced) == len(hub_names),
-        "export_names_are_hub_names": export_names == hub_names,
+        "synced_names_are_hub_names": set(synced) <= hub and len(synced) == len(hub),
+        "export_names_are_hub_names": export_names == hub,
         "export_matches": exported.keys() == final.keys()
         and all(torch.equal(final[n], exported[n]) for n in exported),
     }  # fmt: skip
@@ -173,9 +206,11 @@ def _vlm_life_cycle(rank: int, checkpoint: Path, save_dir: Path, export_dir: Pat
 
 def test_a_tiny_vlm_trains_like_the_unpacked_reference_resumes_exports_and_freezes(tmp_path):
     checkpoint = build_vlm(tmp_path / "vlm")
+    qwen3_vl = build_vlm(tmp_path / "qwen3_vl", "qwen3_vl")
     results = run_distributed(
-        _vlm_life_cycle, 2, checkpoint, tmp_path / "save", tmp_path / "export", timeout_s=300
-    )
+        _vlm_life_cycle, 2, checkpoint, tmp_path / "save", tmp_path / "export", qwen3_vl,
+        timeout_s=300,
+    )  # fmt: skip
     rank0 = results[0]
     # Packed, sharded over two ranks, several images per micro-batch: the same gradients and
     # steps as transformers' own forward of one document at a time (float32 rounding).
@@ -186,6 +221,11 @@ def test_a_tiny_vlm_trains_like_the_unpacked_reference_resumes_exports_and_freez
     assert rank0["param_diff"] < 1e-3, rank0["param_diff"]
     assert rank0["synced_names_are_hub_names"], "weight sync must use the checkpoint's names"
     assert rank0["export_names_are_hub_names"] and rank0["export_matches"]
+    # Qwen3-VL (its deepstack features feed the language model's first layers) alike.
+    qwen3 = rank0["qwen3_vl"]
+    torch.testing.assert_close(qwen3["norms"], qwen3["ref_norms"], rtol=1e-4, atol=0)
+    assert max(qwen3["grad_diff"]) < 1e-4, qwen3["grad_diff"]
+    assert qwen3["synced_names_are_hub_names"]
     for result in results:
         assert result["resumed_start"] == 1
         assert result["resumed_losses"] == result["next_losses"]
