@@ -28,6 +28,8 @@ from PIL import Image, ImageDraw
 SEED = 0
 SIZE = 112
 QUESTION = "What colour?"
+RADIUS = (22, 32)
+"""Smallest and largest half-width of a shape, in pixels."""
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220)}
 
 
@@ -36,7 +38,7 @@ def draw(colour: str, rng: random.Random) -> Image.Image:
     image = Image.new("RGB", (SIZE, SIZE), "white")
     pen = ImageDraw.Draw(image)
     for _ in range(rng.randint(1, 3)):
-        radius = rng.randint(12, 22)
+        radius = rng.randint(*RADIUS)
         cx, cy = rng.randint(radius, SIZE - radius), rng.randint(radius, SIZE - radius)
         box = (cx - radius, cy - radius, cx + radius, cy + radius)
         shape = pen.ellipse if rng.random() < 0.5 else pen.rectangle

@@ -30,5 +30,5 @@ def test_the_vlm_example_learns_what_it_sees(tmp_path):
           f"{grpo[-1]:.3f} in {elapsed:.0f} s")  # fmt: skip
     assert grpo[-1] - grpo[0] >= 0.3, f"GRPO moved the held-out reward {grpo[0]} -> {grpo[-1]}"
     rows = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "rollout/reward_mean" in r]
-    assert len(rows) == 60  # every rollout logged
+    assert len(rows) == 50  # every rollout logged
     assert {"reward.png", "eval.png"} <= {p.name for p in (out / "grpo" / "plots").iterdir()}
