@@ -256,7 +256,8 @@ def test_lora_serving_of_a_vlm_is_refused_at_start(vlm):
 
 
 def test_a_server_that_reads_no_images_refuses_image_url_parts():
-    """The agent session server shares the chat body; its trajectories carry no images yet."""
+    """A chat server that reads no images (`Server` without reads_images) shares the body and
+    refuses image parts naming itself."""
     part = {"type": "image_url", "image_url": {"url": data_url(shapes_image("red"))}}
     body = {"messages": [{"role": "user", "content": [part]}]}
     assert validate(ChatCompletionBody, body).messages[0].image_urls == [part["image_url"]["url"]]

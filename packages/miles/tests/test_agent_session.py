@@ -453,3 +453,79 @@ def test_sessions_asking_at_once_all_get_the_one_server_once_it_listens():
     first = asyncio.run(connect_at_once())
     second = asyncio.run(connect_at_once())  # a new loop gets a server of its own
     assert first is not second
+
+
+def test_a_vlm_session_reads_the_images_of_its_first_prompt(tmp_path):
+    """An agent sends an image_url part through the real openai client: the prompt's image
+    tokens come from the run's processor, every turn sends the image to the engine, the sample
+    keeps it; a later message with a new image, or images for a text model, are refused."""
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from miles.backends.sglang_utils.image_data import image_bytes
+    from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
+    from miles.backends.sglang_utils.tiny_vlm import IMAGE_PAD_ID
+
+    path = build_tiny_checkpoint(tmp_path / "vlm", architecture="qwen2_5_vl")
+    tokenizer, processor = AutoTokenizer.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    buffer = io.BytesIO()
+    Image.new("RGB", (84, 56), "blue").save(buffer, format="PNG")
+    image = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                          {"type": "text", "text": "colour?"}]}]  # fmt: skip
+    refusals: list[str] = []
+
+    class Scripted:  # the engine: answers "blue", records what it was sent
+        def __init__(self) -> None:
+            self.payloads: list[dict] = []
+
+        async def generate(self, payload: dict) -> dict:
+            self.payloads.append(payload)
+            ids = [*tokenizer.encode("blue", add_special_tokens=False), tokenizer.eos_token_id]
+            meta = {"finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [[-0.1, i, None] for i in ids]}  # fmt: skip
+            return {"text": "blue", "output_ids": ids, "meta_info": meta}
+
+    async def agent(client: openai.AsyncOpenAI, sample):
+        answer = await client.chat.completions.create(model="p", messages=first)
+        history = [*first, {"role": "assistant", "content": answer.choices[0].message.content},
+                   {"role": "user", "content": "sure?"}]  # fmt: skip
+        again = await client.chat.completions.create(model="p", messages=history)
+        history.append({"role": "assistant", "content": again.choices[0].message.content})
+        part = {"type": "image_url", "image_url": {"url": image}}
+        try:  # a new image after the first prompt
+            await client.chat.completions.create(
+                model="p", messages=[*history, {"role": "user", "content": [part]}]
+            )
+        except openai.BadRequestError as err:
+            refusals.append(str(err))
+        return None
+
+    async def main(reads: object) -> Sample:
+        server = await SessionServer().start()
+        try:
+            runner = AgentRunner(agent, tokenizer, ChatTemplate(), server, max_turns=4,
+                                 timeout_s=60.0, processor=reads)  # fmt: skip
+            sample = Sample(index=0, group_index=0, messages=first, tokens=[1])
+            return await runner.generate(pool, sample, {"temperature": 1.0, "max_new_tokens": 64})
+        finally:
+            await server.aclose()
+
+    pool = Scripted()
+    sample = asyncio.run(main(processor))
+    prompt = pool.payloads[0]["input_ids"]
+    assert prompt.count(IMAGE_PAD_ID) == 6  # 84x56 pixels: 3x2 merged patches
+    assert [p["image_data"] for p in pool.payloads] == [[image], [image]]
+    assert image_bytes(sample.images[0]) == buffer.getvalue()
+    assert sample.tokens[: len(prompt)] == prompt and sample.metadata["turns"] == 2
+    assert sample.metadata["history_rewrites"] == 0
+    assert "images may come only in a session's first messages" in refusals[0]
+
+    refusals.clear()
+    pool.payloads.clear()
+    text_only = asyncio.run(main(None))  # a text model's run: the first request is refused
+    assert pool.payloads == [] and text_only.status == SampleStatus.FAILED
+    assert "need a vision-language model" in text_only.metadata["session_error"]

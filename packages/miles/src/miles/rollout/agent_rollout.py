@@ -137,9 +137,10 @@ class AgentRunner:
     session server, the bounds."""
 
     def __init__(self, agent: Any, tokenizer: Any, template: Any, server: SessionServer, *,
-                 max_turns: int, timeout_s: float) -> None:  # fmt: skip
+                 max_turns: int, timeout_s: float, processor: Any = None) -> None:  # fmt: skip
         self.agent, self.tokenizer, self.template, self.server = agent, tokenizer, template, server
         self.max_turns, self.timeout_s = max_turns, timeout_s
+        self.processor = processor  # a VLM's: sessions may then send images
         self.spelling = _spelling(tokenizer)
 
     @classmethod
@@ -152,6 +153,7 @@ class AgentRunner:
         return cls(
             load_agent(rollout.agent_function_path), ctx.tokenizer, ctx.chat_template,
             server, max_turns=rollout.max_turns, timeout_s=rollout.session_timeout_s,
+            processor=ctx.processor,
         )  # fmt: skip
 
     async def generate(self, pool: EnginePool, sample: Sample, params: dict[str, Any]) -> Sample:
@@ -163,7 +165,8 @@ class AgentRunner:
                 f"sample {sample.index} has no chat messages: pass --apply-chat-template"
             )
         session = AgentSession(pool, self.tokenizer, self.template, params,
-                               max_turns=self.max_turns, spelling=self.spelling)  # fmt: skip
+                               max_turns=self.max_turns, spelling=self.spelling,
+                               processor=self.processor)  # fmt: skip
         client = openai.AsyncOpenAI(
             base_url=self.server.open(session), api_key="miles-session", max_retries=0,
             timeout=self.timeout_s,

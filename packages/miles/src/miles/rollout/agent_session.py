@@ -94,8 +94,12 @@ class AgentSession:
         *,
         max_turns: int,
         spelling: TokenSpelling,
+        processor: Any = None,
     ) -> None:
         self.id = uuid.uuid4().hex
+        self.processor = processor
+        self.images: list[str] = []
+        """The trajectory's images (`image_url` parts of its first prompt) as data: URLs."""
         self.pool, self.tokenizer, self.template = pool, tokenizer, template
         self.params, self.max_turns, self.spelling = sampling_params, max_turns, spelling
         self.budget = sampling_params["max_new_tokens"]
@@ -140,7 +144,8 @@ class AgentSession:
             if body.parses_tool_calls
             else None
         )
-        fresh, ids = await asyncio.to_thread(self._next_ids, messages, tools)
+        images = self._images(body)
+        fresh, ids = await asyncio.to_thread(self._next_ids, messages, tools, images)
         used = 0 if fresh or self.trajectory is None else len(self.trajectory.response_ids)
         left = self.budget - used - (0 if fresh else len(ids))
         if left <= 0:
@@ -152,17 +157,18 @@ class AgentSession:
                 "context_length_exceeded",
             )
         sent = ids if fresh else [*self.trajectory.ids, *ids]
-        response = await self._generate(sent, body, left, fresh)
+        response = await self._generate(sent, body, left, fresh, images)
         output_ids, log_probs = completion_of(response)
         if fresh:
             if self.trajectory is not None:
                 self.history_rewrites += 1
             self.trajectory = Trajectory(ids)
             self._tools_key = _tools_key(tools)
+            self.images = images
         else:
             self.trajectory.add_context(ids)
             mismatch = not await asyncio.to_thread(
-                self._chat(tools).matches_template, messages, sent
+                self._chat(tools).matches_template, messages, sent, images
             )
             self.template_mismatches += mismatch
         self.trajectory.add_completion(output_ids, log_probs)
@@ -175,28 +181,65 @@ class AgentSession:
         self.answer = response.get("text") or ""
         return self._answer(body, response, sent, output_ids, messages)
 
+    def _images(self, body: ChatCompletionBody) -> list[str]:
+        """The request's images (`image_url` parts, in order) as data: URLs; refused where the
+        run's model reads none, or an image does not decode."""
+        from pathlib import Path
+
+        from miles.rollout.prompt_images import row_images
+
+        urls = [url for message in body.messages for url in message.image_urls]
+        if not urls:
+            return []
+        if self.processor is None:
+            raise SessionError(
+                400,
+                "image_url parts need a vision-language model, and this run's reads no images: "
+                "send text content (or train a VLM with --multimodal-keys)",
+                "invalid_request_error",
+            )
+        try:
+            return row_images("the request's messages", urls, Path.cwd())
+        except ValueError as err:
+            raise SessionError(400, str(err), "invalid_request_error") from None
+
     def _next_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        images: list[str],
     ) -> tuple[bool, list[int]]:
-        """(True, the ids of a fresh prompt) or (False, the ids continuing the trajectory)."""
+        """(True, the ids of a fresh prompt) or (False, the ids continuing the trajectory).
+
+        Images are read in a trajectory's first prompt only: a request that continues it must
+        carry the same ones (its messages render their places alike whatever the pixels), and
+        new messages with images are refused."""
         chat = self._chat(tools)
         if (
             self.trajectory is not None
             and _tools_key(tools) == self._tools_key
             and len(messages) > len(self.conversation)
             and all(map(_same_message, messages, self.conversation))
+            and images[: len(self.images)] == self.images
         ):
+            if len(images) > len(self.images):
+                raise SessionError(
+                    400,
+                    "images may come only in a session's first messages (its prompt); send the "
+                    "new ones as text, or start a new conversation",
+                    "invalid_request_error",
+                )
             return False, chat.after(self.last_completion, messages[len(self.conversation) :])
-        return True, chat.first(messages)
+        return True, chat.first(messages, images)
 
     def _chat(self, tools: list[dict[str, Any]] | None) -> ChatTurns:
         key = _tools_key(tools)
         if key not in self._chats:
-            self._chats[key] = ChatTurns(self.tokenizer, self.template, tools)
+            self._chats[key] = ChatTurns(self.tokenizer, self.template, tools, self.processor)
         return self._chats[key]
 
     async def _generate(
-        self, ids: list[int], body: ChatCompletionBody, left: int, fresh: bool
+        self, ids: list[int], body: ChatCompletionBody, left: int, fresh: bool, images: list[str]
     ) -> dict[str, Any]:
         params = {**self.params, "max_new_tokens": min(left, body.max_new_tokens or left)}
         if params.get("sampling_seed") is not None:
@@ -206,6 +249,8 @@ class AgentSession:
         if body.stop_token_ids:
             params["stop_token_ids"] = [*params.get("stop_token_ids", []), *body.stop_token_ids]
         payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        if images:  # the prompt's images: their tokens are in the ids
+            payload["image_data"] = images
         if body.logprobs and body.top_logprobs:
             payload["top_logprobs_num"] = body.top_logprobs
         task = asyncio.ensure_future(self.pool.generate(payload))
@@ -298,6 +343,7 @@ class AgentSession:
             status = SampleStatus.FAILED
         if self.trajectory is not None:
             self.trajectory.fill(sample)
+            sample.images = list(self.images) or None  # what the trajectory's ids were made with
         if status == SampleStatus.FAILED:
             sample.loss_mask = [0] * sample.response_length  # the harness failed, not the policy
         if self.weight_version is not None:

@@ -35,7 +35,8 @@ from miles.rollout.agent_session import AgentSession, SessionError
 
 logger = logging.getLogger(__name__)
 
-_SESSIONS = Server("a miles agent session", "leave it unset")
+# Images are read where the run's model reads them: a session without a processor refuses them.
+_SESSIONS = Server("a miles agent session", "leave it unset", reads_images=True)
 _MAX_REQUEST_BYTES = 64 << 20
 
 
