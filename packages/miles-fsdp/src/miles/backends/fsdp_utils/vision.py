@@ -20,9 +20,11 @@ from torch import Tensor, nn
 from miles.backends.sglang_utils.image_data import decode_image
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 
-# Decoded and processed images kept per rank: a rollout's images are read by the old-policy,
-# reference and training forwards of the same step (three passes), and a group shares its prompt.
-_PROCESSED_IMAGES = 1024
+# Processed images kept per rank: a rollout's images are read by the old-policy, reference and
+# training forwards of the same step, and a group's samples share their prompt's. Bounded by
+# memory, not by a rollout's count: a 1000-patch image's pixel values are about 5 MB in float32,
+# so 128 of them cost 0.6 GB; an image past the bound is processed again, a CPU cost only.
+_PROCESSED_IMAGES = 128
 RESPONSE_IMAGE_STAND_IN = 0
 """The id an image token sampled in a response enters the train forward as (see `of`)."""
 
