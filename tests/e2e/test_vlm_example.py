@@ -31,4 +31,6 @@ def test_the_vlm_example_learns_what_it_sees(tmp_path):
     assert grpo[-1] - grpo[0] >= 0.3, f"GRPO moved the held-out reward {grpo[0]} -> {grpo[-1]}"
     rows = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "rollout/reward_mean" in r]
     assert len(rows) == 50  # every rollout logged
+    # The step-0 check on image prompts: the trainer's log-probs are the engine's (1.2e-7 here).
+    assert rows[0]["check/logprob_abs_diff"] < 1e-5
     assert {"reward.png", "eval.png"} <= {p.name for p in (out / "grpo" / "plots").iterdir()}
