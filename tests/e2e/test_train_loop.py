@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,10 +31,13 @@ from miles.ray.train_group import TrainRankError
 from miles.train import train
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
+from miles.utils.process_tree import ProcessKey, descendants, is_alive, key_of, kill_all
 from miles.utils.run_lock import LOCK_FILE
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import random_lora_adapter, seeded_value_model, tiny_run_assets
+from tests.e2e.pausing_rollout import PAUSE_AT, PAUSE_FILE
 from tools.compare_runs import compare_records
+from tools.workspace import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -69,7 +73,9 @@ def tiny_flags(assets, out: Path, *flags: str) -> list[str]:
 
 # Saving every rollout and one request at a time: the resume test replays this run from its
 # checkpoints and must draw the same samples.
-DISAGGREGATED = ["--num-rollout", "3", "--rollout-num-gpus", "1", "--rollout-concurrency", "1",
+# Nine rollouts (a step takes a fraction of a second): the stop and restart tests compare their
+# runs with it past rollout 7.
+DISAGGREGATED = ["--num-rollout", "9", "--rollout-num-gpus", "1", "--rollout-concurrency", "1",
                  "--save-interval", "1"]  # fmt: skip
 
 
@@ -86,7 +92,7 @@ def disaggregated(assets, tmp_path_factory) -> tuple[list[dict], str, Path]:
 
 def test_disaggregated_run_logs_every_rollout_with_its_time_split(disaggregated):
     records, _, out = disaggregated
-    assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    assert [r["rollout_id"] for r in records] == list(range(9))
     first = records[0]
     for key in ("rollout/reward_mean", "train/loss", "time/generate_s", "time/train_s",
                 "time/update_weights_s", "time/step_s", "check/logprob_abs_diff",
@@ -223,9 +229,10 @@ FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correct
 
 
 def test_a_fully_async_run_killed_mid_run_resumes_with_its_buffer(assets, tmp_path):
-    """A fully-async `miles train` (weights pushed every second rollout) SIGKILLed, with its Ray
-    instance, while it generates past rollout 2's checkpoint; the same command again resumes
-    from the last complete checkpoint. That checkpoint holds the buffer, and the groups that were
+    """A fully-async `miles train` (weights pushed every second rollout) SIGKILLed, the driver
+    alone, while it generates past rollout 2's checkpoint: every process it started (Ray's, the
+    engine's) is gone within seconds, and so is its Ray session directory. The same command
+    again resumes from the last complete checkpoint. That checkpoint holds the buffer, and the groups that were
     ready when it was saved are the next rollout's first."""
     ckpt, pattern = tmp_path / "ckpt", str(tmp_path / "rollouts" / "r{rollout_id}.pt")
     flags = [*FULLY_ASYNC, "--save", str(ckpt), "--save-debug-rollout-data", pattern,
@@ -260,28 +267,67 @@ def test_a_fully_async_run_killed_mid_run_resumes_with_its_buffer(assets, tmp_pa
 
 
 def kill_when_saved(flags: list[str], ckpt: Path, rollout_id: int) -> int:
-    """Run `miles train` in a process group of its own; SIGKILL the group once the checkpoint of
-    `rollout_id` is complete (its pointer written). Returns the pointer at the kill."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray instance
+    """Run `miles train` in a process group of its own; SIGKILL the driver alone once the
+    checkpoint of `rollout_id` is complete (its pointer written), and check that every process
+    it started ends within seconds, its Ray session directory removed. Returns the pointer at
+    the kill."""
     log = ckpt.parent / "killed.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "miles.cli.main", "train", *flags],
-            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env=_own_ray_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+    started: set[ProcessKey] = set()
     try:
         deadline = time.monotonic() + 600
         while not (pointer := _pointer(ckpt)) or int(pointer) < rollout_id:
             assert process.poll() is None, f"it ended before the kill:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
-        os.killpg(process.pid, signal.SIGKILL)
+        started = _started_by(process.pid)
+        process.kill()
         process.wait(timeout=60)
+        assert _still_running(started, within_s=10) == []
+        assert not Path(_session_dir(log)).exists()
         return int(_pointer(ckpt))
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=60)
+        _end(process, started)
+
+
+def _own_ray_env(**extra: str) -> dict[str, str]:
+    """The environment of a `miles train` that starts its own Ray instance and can import this
+    repository's test helpers."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def _started_by(pid: int) -> set[ProcessKey]:
+    """Every process below `pid` (Ray's, the workers, the engine servers), by pid and start
+    time: a test looks at the processes its run started, never at others' by their name."""
+    return descendants([key_of(pid)]) - {key_of(pid)}
+
+
+def _still_running(processes: set[ProcessKey], *, within_s: float) -> list[str]:
+    """The command lines of `processes` still running after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (left := [key for key in processes if is_alive(key)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid, _ in left]
+
+
+def _session_dir(log: Path) -> str:
+    """The Ray session directory the driver logged (`miles.ray.local_ray`)."""
+    match = re.search(r"local Ray session (\S+)", log.read_text())
+    assert match, log.read_text()[-4000:]
+    return match.group(1)
+
+
+def _end(process: subprocess.Popen, started: set[ProcessKey]) -> None:
+    """Leave nothing of a failed test running: the driver, then what it started (ours only)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=60)
+    kill_all(started)
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_runs_on(assets, tmp_path):
@@ -363,19 +409,76 @@ def test_a_diverging_run_stops_after_the_skipped_steps_with_every_rollout_logged
 
 def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(assets, tmp_path, disaggregated):
     full, _, out = disaggregated
-    # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
-    # files written, but the pointer (written last) still names rollout 1.
+    # The same run, crashed while saving rollout 8: its metrics were logged and its checkpoint
+    # files written, but the pointer (written last) still names rollout 7.
     shutil.copytree(out / "run", tmp_path / "crashed")
     shutil.copytree(out / "checkpoints", tmp_path / "crashed_ckpt")
-    (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("1")
+    (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("7")
     resumed = run(
         assets, tmp_path / "crashed", *DISAGGREGATED, "--save", str(tmp_path / "crashed_ckpt")
     )
-    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollout 2 logged once, not twice
+    assert [r["rollout_id"] for r in resumed] == list(range(9))  # rollout 8 logged once
     # Every non-timing value of the resumed rollout, to the bit (tools/compare_runs.py); the
     # resumed process's first rollout adds its start-up and step-0 check records.
-    assert compare_records([full[2]], [resumed[2]], ignore=["^check/"]) == []
-    assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
+    assert compare_records([full[8]], [resumed[8]], ignore=["^check/"]) == []
+    assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "8"
+
+
+# The uninterrupted run's settings (DISAGGREGATED), a checkpoint every 5 rollouts.
+STOPPED = [*DISAGGREGATED[:-2], "--save-interval", "5"]
+
+
+def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_rerun_matches(
+    assets, tmp_path, disaggregated
+):
+    """SIGTERM to a `miles train`'s process group (Ray's processes included) during rollout 7,
+    with --save-interval 5: rollout 7 finishes and is saved, every process the run started
+    ends, its Ray session directory is removed, and it exits 143 with one line. The same
+    command resumes at rollout 8, and every value equals the uninterrupted run's."""
+    full, _, _ = disaggregated
+    out, ckpt, pause, log = (
+        tmp_path / "run",
+        tmp_path / "ckpt",
+        tmp_path / "paused",
+        tmp_path / "log",
+    )
+    flags = tiny_flags(assets, out, *STOPPED, "--save", str(ckpt))
+    # The rollout waits before rollout 7 until the signal is in: the stop lands there on a
+    # machine of any speed (pausing_rollout.py; its samples are the built-in rollout's).
+    pausing = ["--rollout-function-path", "tests.e2e.pausing_rollout:PausingRollout"]
+    env = _own_ray_env(**{PAUSE_AT: "7", PAUSE_FILE: str(pause)})
+    miles = str(Path(sys.executable).parent / "miles")  # the console script a user runs
+    with log.open("w") as sink:
+        process = subprocess.Popen([miles, "train", *flags, *pausing], env=env, stdout=sink,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    started: set[ProcessKey] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while not pause.exists():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        started = _started_by(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        while "SIGTERM: stopping after the step of rollout 7" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        pause.unlink()
+        assert process.wait(timeout=120) == 143, log.read_text()[-4000:]
+        assert _still_running(started, within_s=5) == []
+    finally:
+        _end(process, started)
+    text = log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert last == "miles train: stopped by SIGTERM at rollout 7; checkpoint iter_0000007 written"
+    assert "Traceback" not in text
+    assert not Path(_session_dir(log)).exists()
+    assert (ckpt / POINTER_FILE).read_text().strip() == "7"
+    assert [r["rollout_id"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))
+
+    resumed = run(assets, out, *STOPPED, "--save", str(ckpt))  # the same command, again
+    assert [r["rollout_id"] for r in resumed] == list(range(9))
+    # The resumed process's first rollout adds its start-up and step-0 check records.
+    assert compare_records(full, resumed, ignore=["^check/"]) == []
 
 
 def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(

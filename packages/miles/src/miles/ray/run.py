@@ -3,7 +3,8 @@
 Entering a `Run` checks the directories it will read and write (`miles.utils.run_dirs`), connects
 to Ray, reserves the placement group, starts the rollout manager (which starts the engines) and the
 training group, and resumes from `--load`; leaving it stops everything, also after an error or
-Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing recorded, so the
+Ctrl-C (at once after `StopNow`). A stop signal (`GracefulStop`) makes the step in progress save
+its checkpoint, and `stop_after` ends the loop after it. Each method is one step of the loop in `miles.train`, with its timing recorded, so the
 loop itself reads as the algorithm.
 """
 
@@ -34,8 +35,10 @@ from miles.ray.startup_clock import StartupClock
 from miles.ray.train_group import RayTrainGroup
 from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.bytecode import uncached_bytecode_warning
+from miles.utils.checkpoint_layout import iteration_dir
 from miles.utils.console import ConsoleView
 from miles.utils.divergence import DivergenceGuard, vocab_size
+from miles.utils.graceful_stop import GracefulStop
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
 from miles.utils.run_dirs import checkpoint_to_resume, claim_output_dir
 from miles.utils.run_lock import RunLock
@@ -57,8 +60,12 @@ class RolloutManagerTimeoutError(RuntimeError):
 
 
 class Run:
-    def __init__(self, config: MilesConfig):
+    def __init__(self, config: MilesConfig, *, stop: GracefulStop | None = None):
+        """`stop`: the driver's signal state (`miles train`); None where nothing signals."""
         self.config = config
+        self.stop = stop
+        self._save_point_version: int | None = None  # the engines' version at the save point
+        self._committed: int | None = None  # the last checkpoint this run completed
         self.placement: Placement | None = None
         self.rollout_manager: Any = None
         self.rollouts: RolloutSource | None = None
@@ -103,7 +110,10 @@ class Run:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        self.close(failed=exc_type is not None)
+        # Interrupted (a second signal, the stop's grace over, Ctrl-C outside `miles train`):
+        # no call waits on a process, every one is killed.
+        hurry = isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt)
+        self.close(failed=exc_type is not None, hurry=hurry)
 
     def _start(self) -> None:
         """Start everything, overlapping what can overlap: the engine processes load their model
@@ -347,9 +357,10 @@ class Run:
         )  # fmt: skip
         logger.info("engines %s restored at weight version %s", urls, version)
 
-    def close(self, *, failed: bool = False) -> None:
+    def close(self, *, failed: bool = False, hurry: bool = False) -> None:
         """Stop every process of the run; safe to call after a failed start. `failed`: the run
-        ends with an error (MLflow marks its run so)."""
+        ends with an error (MLflow marks its run so). `hurry`: kill the processes without
+        asking them to close (the engine servers die with their actors)."""
         if self.console is not None:
             self.console.close()
         if self.observer is not None:  # its profilers and samplers live in the run's processes
@@ -359,14 +370,15 @@ class Run:
                 logger.warning("closing the profilers and memory samplers: %s", exc)
             self.observer = None
         if self.trainers is not None:
-            self.trainers.shutdown()
+            self.trainers.shutdown(hurry=hurry)
             self.trainers = None
         if self.critics is not None:
-            self.critics.shutdown()
+            self.critics.shutdown(hurry=hurry)
             self.critics = None
         if self.rollout_manager is not None:
             try:
-                ray.get(self.rollout_manager.dispose.remote(), timeout=120)
+                if not hurry:
+                    ray.get(self.rollout_manager.dispose.remote(), timeout=120)
             except Exception as exc:
                 logger.warning("disposing the rollout manager: %s", exc)
             ray.kill(self.rollout_manager)
@@ -388,6 +400,9 @@ class Run:
     # Each step returns what it measured; the loop merges them into the rollout's record.
 
     def _phase(self, name: str, rollout_id: int | None = None) -> None:
+        if self.stop is not None and rollout_id is not None:
+            self.stop.running = True  # from the first step on, a stop signal waits for a save
+            self.stop.rollout_id = rollout_id
         if self.console is not None:
             self.console.update(name, rollout_id)
         if self.observer is not None:
@@ -466,22 +481,53 @@ class Run:
                 "time/train_s": time.perf_counter() - start}  # fmt: skip
 
     def maybe_save(self, rollout_id: int) -> dict[str, float]:
+        """Save every --save-interval rollouts, after the last, and when a stop was asked for."""
         checkpoint = self.config.checkpoint
+        self._save_point_version = self.weight_version
         last = rollout_id + 1 == self.num_rollout
         if not checkpoint.save or self.trainers is None:
             return {}
-        if not last and not (checkpoint.save_interval and (rollout_id + 1) % checkpoint.save_interval == 0):  # fmt: skip
+        stopping = self.stop is not None and self.stop.requested
+        if not last and not stopping and not (checkpoint.save_interval and (rollout_id + 1) % checkpoint.save_interval == 0):  # fmt: skip
             return {}
         self._phase("save", rollout_id)
         start = time.perf_counter()
+        self._save(rollout_id)
+        return {"time/save_s": time.perf_counter() - start}
+
+    def _save(self, rollout_id: int, weight_version: int | None = None) -> None:
         # The rollout state, then the trainer's part; `finish_rollout` writes the pointer that
         # completes them after the rollout's record is logged.
+        assert self.trainers is not None
         self._from_manager(self.rollout_manager.save.remote(rollout_id), "save")
-        self.trainers.save_model(rollout_id, False)
+        self.trainers.save_model(rollout_id, False, weight_version)
         if self.critics is not None:
             self.critics.save_model(rollout_id, False)
         self._uncommitted_save = rollout_id
-        return {"time/save_s": time.perf_counter() - start}
+
+    def _commit(self, rollout_id: int) -> None:
+        assert self._uncommitted_save == rollout_id and self.trainers is not None
+        self.trainers.commit_checkpoint(rollout_id)
+        if self.critics is not None:
+            self.critics.commit_checkpoint(rollout_id)
+        self._uncommitted_save = None
+        self._committed = rollout_id
+
+    def stop_after(self, rollout_id: int) -> bool:
+        """Whether the loop ends after this rollout because a stop signal came. Its checkpoint
+        is then complete: saved at the step's save point, or now when the signal came after
+        it (recording the weight version of the save point, as that save would have)."""
+        if self.stop is None or not self.stop.requested:
+            return False
+        save = self.config.checkpoint.save
+        if save and self.trainers is not None and self._committed != rollout_id:
+            self._phase("save", rollout_id)
+            self._save(rollout_id, self._save_point_version)
+            self._commit(rollout_id)
+        self.stop.rollout_id = rollout_id
+        if self._committed == rollout_id:
+            self.stop.checkpoint = iteration_dir(save, rollout_id).name
+        return True
 
     def offload_engines(self) -> None:
         self._phase("offload engines")
@@ -646,11 +692,7 @@ class Run:
             metrics = {**metrics, **self.observer.finish_rollout(rollout_id)}
         self.tracker.log(metrics, step=rollout_id)
         if self._uncommitted_save is not None:
-            assert self._uncommitted_save == rollout_id and self.trainers is not None
-            self.trainers.commit_checkpoint(rollout_id)
-            if self.critics is not None:
-                self.critics.commit_checkpoint(rollout_id)
-            self._uncommitted_save = None
+            self._commit(rollout_id)
         if self.console is not None:
             self.console.record(rollout_id, metrics)
         self.guard.check(rollout_id, metrics)

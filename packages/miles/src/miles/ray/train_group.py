@@ -273,8 +273,10 @@ class RayTrainGroup:
         """Run `method(*args)` on every rank; rank 0's result."""
         return self._gather(self._all(method, *args), method)[0]
 
-    def save_model(self, rollout_id: int, commit: bool = True) -> None:
-        self.call("save_model", rollout_id, commit)
+    def save_model(
+        self, rollout_id: int, commit: bool = True, weight_version: int | None = None
+    ) -> None:
+        self.call("save_model", rollout_id, commit, weight_version)
 
     def commit_checkpoint(self, rollout_id: int) -> None:
         self.call("commit_checkpoint", rollout_id)
@@ -304,11 +306,13 @@ class RayTrainGroup:
         calls = [a.__ray_call__.remote(lambda self: _node_id()) for a in self.actors]
         return self._gather(calls, "node_ids")
 
-    def shutdown(self) -> None:
-        """Release each rank's resources (engine clients, groups), then end the actors."""
+    def shutdown(self, *, hurry: bool = False) -> None:
+        """Release each rank's resources (engine clients, groups), then end the actors;
+        `hurry`: end them without asking."""
         live = [a for rank, a in enumerate(self.actors) if rank not in self._hung]
         try:
-            ray.get([actor.call.remote("close") for actor in live], timeout=60)
+            if not hurry:
+                ray.get([actor.call.remote("close") for actor in live], timeout=60)
         except Exception as exc:  # a dead rank must not keep the others alive
             logger.warning("closing the train group: %s", exc)
         for actor in self.actors:

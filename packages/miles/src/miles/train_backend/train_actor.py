@@ -337,9 +337,13 @@ class TrainRayActor(abc.ABC):
         self._require_awake("logprob_gap")
         return self._trainer.logprob_gap(_resolve(data_ref))
 
-    def save_model(self, rollout_id: int, commit: bool = True) -> None:
+    def save_model(
+        self, rollout_id: int, commit: bool = True, weight_version: int | None = None
+    ) -> None:
         """A resumable checkpoint of model, optimizer and schedule for `rollout_id`; without
-        `commit` it is not named the latest until `commit_checkpoint`."""
+        `commit` it is not named the latest until `commit_checkpoint`. `weight_version`: the
+        version to record, when not the current one (a save after this rollout's weight push
+        records the version of its save point, so a resumed run numbers its pushes the same)."""
         if self.critic_trainer is not None:  # role "critic"
             self._save_critic(rollout_id, self.critic_trainer.global_step, commit=commit)
             return
@@ -347,7 +351,7 @@ class TrainRayActor(abc.ABC):
             raise ValueError("save_model() needs a checkpoint directory: set --save")
         self._require_awake("save_model")
         extra = {
-            "weight_version": self.weight_version,
+            "weight_version": self.weight_version if weight_version is None else weight_version,
             "global_step": self._trainer.global_step,
             "hf_checkpoint": str(self.spec.hf_checkpoint),
         }
