@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 from miles.config import load_config
 from miles.ray.run import Run
 from miles.ray.train_group import TrainRankError
-from miles.train import train
+from miles.train import train, train_sync
 from miles.utils.checkpoint_layout import POINTER_FILE, rollout_state_path
 from miles.utils.divergence import DivergenceError
 from miles.utils.process_tree import ProcessKey, descendants, is_alive, key_of, kill_all
@@ -479,6 +480,56 @@ def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_re
     assert [r["rollout_id"] for r in resumed] == list(range(9))
     # The resumed process's first rollout adds its start-up and step-0 check records.
     assert compare_records(full, resumed, ignore=["^check/"]) == []
+
+
+# The uninterrupted run's settings (DISAGGREGATED), a checkpoint every 3 rollouts.
+RESTARTED = [*DISAGGREGATED[:-2], "--save-interval", "3"]
+# Keys that count the restart itself: the rest of each record is the uninterrupted run's.
+RESTART_COUNTS = "^train/(restarts|replayed_rollouts|seconds_lost)$"
+
+
+def test_a_train_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(
+    assets, tmp_path, disaggregated
+):
+    """Train rank 1 SIGKILLed once rollout 4 is logged, with --save-interval 3: the train group
+    starts again from rollout 2's checkpoint and replays rollouts 3, 4 (and any it trained
+    since) from their kept train data. The run finishes, its engine never restarted, and every
+    value equals the uninterrupted run's; the kept train data is gone with the last checkpoint."""
+    full, _, _ = disaggregated
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    config = tiny_config(assets, out, *RESTARTED, "--save", str(ckpt))
+    with Run(config) as started:
+        ranks = [
+            ray.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in started.trainers.actors
+        ]
+        engines = ray.get(started.rollout_manager.engine_pids.remote())
+        killed: list[int] = []
+        killer = threading.Thread(
+            target=_kill_once_logged, args=(out / "metrics.jsonl", 5, ranks[1], killed),
+            daemon=True,
+        )  # fmt: skip
+        killer.start()
+        train_sync(started)
+        killer.join(timeout=10)
+        assert ray.get(started.rollout_manager.engine_pids.remote()) == engines
+    assert killed, "the run ended before rank 1 was killed"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in records] == list(range(9))
+    assert records[-1]["train/restarts"] == 1 and records[-1]["train/seconds_lost"] > 0
+    assert records[-1]["train/replayed_rollouts"] >= 2  # 3 and 4 at least
+    assert compare_records(full, records, ignore=["^check/", RESTART_COUNTS]) == []
+    assert list((ckpt / "train_data").glob("*")) == []
+
+
+def _kill_once_logged(metrics: Path, records: int, pid: int, killed: list[int]) -> None:
+    """SIGKILL `pid` as soon as `metrics` holds `records` lines (within seconds of the last)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.is_file() and metrics.read_text().count("\n") >= records:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.01)
 
 
 def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(

@@ -289,6 +289,10 @@ class RayTrainGroup:
         """Push the weights to the engines as the next version; returns that version."""
         return self.call("update_weights")
 
+    def rejoin(self, weight_version: int | None, generation: int) -> None:
+        """A restarted group takes up the engines' weight version (`TrainRayActor.rejoin`)."""
+        self.call("rejoin", weight_version, generation)
+
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights to restarted engines; the weight version they now hold."""
         return self.call("restore_engines", engine_urls)

@@ -60,6 +60,8 @@ class TrainRayActor(abc.ABC):
 
     backend_name: ClassVar[str] = "backend"
     """Names the weight-update group with the engines (`miles-<name>-weights`)."""
+    weights_group_suffix: str = ""
+    """Ends the weight-update group's name: a restarted train group's own (see `rejoin`)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -412,6 +414,15 @@ class TrainRayActor(abc.ABC):
         self._push(self._updater)
         return self.weight_version
 
+    def rejoin(self, weight_version: int | None, generation: int) -> None:
+        """In a train group started again after one of its ranks died (all ranks call this,
+        after `init` and the replay): count weight versions on from `weight_version`, the one
+        the engines hold (None: the checkpoint's), and name this group's weight-update group by
+        its `generation`, since the engines still hold the dead group's under the old name."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.weights_group_suffix = f"-restart{generation}"
+
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights, as the current version, to restarted engines (all ranks
         call this); returns that version. The other engines keep generating undisturbed, and
@@ -443,7 +454,8 @@ class TrainRayActor(abc.ABC):
             world_size=self.world_size, colocate=self.spec.colocate,
             buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
             master_address=self.master_addr,
-            group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
+            group_name=f"miles-{self.backend_name}-weights{self.weights_group_suffix}{group_suffix}",
+            only=only,
             timeout_s=self.spec.distributed_timeout_s, api_key=self._engine_admin_key,
             http_timeouts=EngineTimeouts(
                 control_s=self.spec.engine_control_timeout_s,
