@@ -10,8 +10,9 @@ watched for the driver's death, and stopped, with its session directory, when th
   put back after it.
 - **The driver's death.** `miles.utils.ray_watchdog`, a process in a session of its own, stops
   every process of the instance when the driver dies without stopping it (SIGKILL).
-- **The end.** `stop_local_ray` stops everything quickly and removes the session directory,
-  unless asked to keep it (a failed run's logs are there).
+- **The end.** However Ray stops the instance (`ray.shutdown()`, its exit hook,
+  `stop_local_ray`), everything stops at once and the session directory is removed, unless
+  `stop_local_ray(keep_session=True)` (a failed run's logs are there).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from miles.utils.process_tree import ProcessKey, descendants, key_of, kill_all
@@ -40,6 +41,27 @@ class _LocalRay:
     session_dir: str
     roots: list[ProcessKey]
     watchdog: subprocess.Popen
+    keep_session: bool = False
+
+    def stop(self, kill_head_processes: Callable[..., None]) -> None:
+        """Stop every process of the instance and remove its session directory (unless
+        `keep_session`); the driver has left the cluster."""
+        processes = descendants(self.roots)
+        # Ray stops its head processes with SIGTERM, which they block (module docstring), and
+        # waits a second for each before it SIGKILLs it. The run's actors are stopped by now, and
+        # this process has left the cluster: SIGKILL at once, then what the raylet leaves
+        # behind (its agents, its workers).
+        kill_head_processes(check_alive=False, allow_graceful=False, wait=True)
+        left = kill_all(descendants([*self.roots, *processes]) | processes)
+        if left:
+            logger.warning("processes %s of the local Ray instance survived SIGKILL",
+                           sorted(pid for pid, _ in left))  # fmt: skip
+        if self.keep_session:
+            logger.info("kept the Ray session directory %s (its logs)", self.session_dir)
+            _tell_watchdog(self.watchdog, "keep")
+        else:
+            remove_session_dir(self.session_dir)
+        _tell_watchdog(self.watchdog, "release")
 
 
 _local: _LocalRay | None = None
@@ -62,8 +84,10 @@ def signals_held_from_children() -> Iterator[None]:
                     signal.signal(sig, handler)
 
 
-def start_local_ray(**init_kwargs) -> None:
-    """`ray.init(address="local", **init_kwargs)`, signal-proof and watched (module docstring)."""
+def start_local_ray(**init_kwargs: Any) -> None:
+    """`ray.init(address="local", **init_kwargs)`, signal-proof and watched (module docstring).
+    However Ray is stopped afterwards (`ray.shutdown()`, its exit hook, `stop_local_ray`), it
+    stops at once, entirely, and removes its session directory."""
     global _local
     with signals_held_from_children():
         ray.init(address="local", **init_kwargs)
@@ -80,7 +104,20 @@ def start_local_ray(**init_kwargs) -> None:
          *(f"{pid}:{start}" for pid, start in roots)],
         stdin=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
-    _local = _LocalRay(session_dir, roots, watchdog)
+    local = _LocalRay(session_dir, roots, watchdog)
+    # Every way Ray stops its local instance ends in this node's `kill_all_processes`; this one
+    # instance's method is replaced by `_LocalRay.stop` (Ray's version is pinned in uv.lock).
+    kill_head_processes = node.kill_all_processes
+    stopped = False
+
+    def kill_all_processes(*_args: Any, **_kwargs: Any) -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            local.stop(kill_head_processes)
+
+    node.kill_all_processes = kill_all_processes
+    _local = local
     logger.info("local Ray session %s (watchdog pid %d)", session_dir, watchdog.pid)
 
 
@@ -93,37 +130,11 @@ def stop_local_ray(*, keep_session: bool = False) -> None:
     """Stop Ray: a local instance this process started goes entirely (its agents included) and
     its session directory is removed unless `keep_session`; a joined cluster is only left."""
     global _local
-    local, _local = _local, None
-    if local is None:
-        if ray.is_initialized():
-            ray.shutdown()
-        return
-    processes = descendants(local.roots)
-    # Ray stops its head processes with SIGTERM, which they block (module docstring), and waits
-    # a second for each before it SIGKILLs it. The run's actors are already stopped: once this
-    # process has left the cluster, SIGKILL the lot at once (the raylet and the GCS only then,
-    # never while the driver is connected: it would exit with them).
-    killer = threading.Thread(target=_kill_once_disconnected, args=(processes,), daemon=True)
-    killer.start()
-    ray.shutdown()
-    killer.join(timeout=10)
-    left = kill_all(descendants([*local.roots, *processes]) | processes)
-    if left:
-        logger.warning("processes %s of the local Ray instance survived SIGKILL",
-                       sorted(pid for pid, _ in left))  # fmt: skip
-    if keep_session:
-        logger.info("kept the Ray session directory %s (its logs)", local.session_dir)
-        _tell_watchdog(local.watchdog, "keep")
-    else:
-        remove_session_dir(local.session_dir)
-    _tell_watchdog(local.watchdog, "release")
-
-
-def _kill_once_disconnected(processes: set[ProcessKey]) -> None:
-    deadline = time.monotonic() + 10
-    while ray.is_initialized() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    kill_all(processes, wait_s=0)
+    if _local is not None:
+        _local.keep_session = keep_session
+        _local = None
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _tell_watchdog(watchdog: subprocess.Popen, word: str) -> None:
