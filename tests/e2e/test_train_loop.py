@@ -43,6 +43,11 @@ from tools.workspace import REPO_ROOT
 pytestmark = pytest.mark.timeout(900)
 
 
+# Keys that count train-group restarts (--max-train-restarts): the rest of a restarted run's
+# records are the uninterrupted run's.
+RESTART_COUNTS = "^train/(restarts|replayed_rollouts|seconds_lost)$"
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
@@ -213,7 +218,8 @@ def test_a_critic_on_a_rank_of_its_own_trains_exactly_as_one_on_the_policys(ppo_
     shared, _ = ppo_runs["shared"]
     own, directory = ppo_runs["own"]
     assert "startup/critic_trainers_s" in own[0] and "startup/critic_trainers_s" not in shared[0]
-    assert compare_records(shared, own, ignore=["^memory/"]) == []
+    # A critic on ranks of its own turns train-group restarts off: no restart counts logged.
+    assert compare_records(shared, own, ignore=["^memory/", RESTART_COUNTS]) == []
     assert (directory / "checkpoints" / "critic" / POINTER_FILE).read_text().strip() == "1"
     memory = (directory / "memory" / "peak_rss.jsonl").read_text().splitlines()
     assert {"train_rank_0", "critic_rank_0"} <= {json.loads(line)["process"] for line in memory}
@@ -482,10 +488,40 @@ def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_re
     assert compare_records(full, resumed, ignore=["^check/"]) == []
 
 
+def test_ctrl_c_during_start_up_stops_at_once_in_one_line_and_leaves_nothing(assets, tmp_path):
+    """SIGINT to the process group (a terminal's Ctrl-C) once Ray has started: nothing is
+    trained, so the run stops at once; it exits 130 with one line and no traceback, and every
+    process it started is gone."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    flags = tiny_flags(assets, out, "--num-rollout", "2", "--rollout-num-gpus", "1",
+                       "--actor-num-gpus-per-node", "1")  # fmt: skip
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles.cli.main", "train", *flags], env=_own_ray_env(),
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    started: set[ProcessKey] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while "local Ray session" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        started = _started_by(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=120) == 130, log.read_text()[-4000:]
+        assert _still_running(started, within_s=5) == []
+    finally:
+        _end(process, started)
+    text = log.read_text()
+    assert text.strip().splitlines()[-1] == (
+        "miles train: stopped by SIGINT during start-up; no checkpoint written (no --save)"
+    )
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert not Path(_session_dir(log)).exists()
+
+
 # The uninterrupted run's settings (DISAGGREGATED), a checkpoint every 3 rollouts.
 RESTARTED = [*DISAGGREGATED[:-2], "--save-interval", "3"]
-# Keys that count the restart itself: the rest of each record is the uninterrupted run's.
-RESTART_COUNTS = "^train/(restarts|replayed_rollouts|seconds_lost)$"
 
 
 def test_a_train_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(
