@@ -77,11 +77,13 @@ def signals_held_from_children() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        # The handlers first: a signal that came meanwhile is delivered as soon as the mask is
+        # restored, and must find this process's handler, not the one Ray's start installed.
         if on_main:
             for sig, handler in handlers.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_local_ray(**init_kwargs: Any) -> None:
