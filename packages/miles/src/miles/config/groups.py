@@ -238,8 +238,9 @@ class TrainingConfig:
     """How often the run starts its train group again after a train rank died or hung: the new
     group loads the last checkpoint and replays the rollouts trained since (their train data is
     kept in <save>/train_data until a checkpoint covers it), then the run goes on exactly as
-    before. Past this many restarts the run stops, naming the last failure. Needs --save; off
-    with --colocate and with a critic on ranks of its own. 0: a failed rank stops the run."""
+    before. Past this many restarts the run stops, naming the last failure. Needs --save and
+    --save-interval (the disk holds at most that many rollouts' train data); off with --colocate
+    and with a critic on ranks of its own. 0: a failed rank stops the run."""
     stop_grace_s: float = 60.0
     """After SIGTERM or SIGINT, how long `miles train` has to finish the step in progress and save
     its checkpoint before it stops at once, without one (the latest checkpoint stays intact).

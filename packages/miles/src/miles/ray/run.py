@@ -371,11 +371,13 @@ class Run:
 
     def _trainer_restarts(self) -> TrainRestarts | None:
         """--max-train-restarts, where a restarted group can return to the state it had."""
-        limit, save = self.config.training.max_train_restarts, self.config.checkpoint.save
+        limit, checkpoint = self.config.training.max_train_restarts, self.config.checkpoint
         if self.trainers is None or not limit:
             return None
         why_not = (
-            "no --save: no checkpoint to return to" if not save
+            "no --save: no checkpoint to return to" if not checkpoint.save
+            # Every rollout since the start would be replayed, all their train data kept.
+            else "no --save-interval: no checkpoint before the last" if not checkpoint.save_interval
             else "--colocate" if self.config.cluster.colocate
             else "a critic on ranks of its own" if self.critics is not None
             else None
