@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import torch
 from miles.config import load_config
 from miles.ray.run import Run
 from miles.ray.train_group import TrainRankError
-from miles.train import train
+from miles.train import train, train_sync
 from miles.utils.checkpoint_layout import (
     MANIFEST_FILE,
     POINTER_FILE,
@@ -35,12 +37,20 @@ from miles.utils.checkpoint_layout import (
     rollout_state_path,
 )
 from miles.utils.divergence import DivergenceError
+from miles.utils.process_tree import ProcessKey, descendants, is_alive, key_of, kill_all
 from miles.utils.run_lock import LOCK_FILE
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import random_lora_adapter, seeded_value_model, tiny_run_assets
+from tests.e2e.pausing_rollout import PAUSE_AT, PAUSE_FILE
 from tools.compare_runs import compare_records
+from tools.workspace import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(900)
+
+
+# Keys that count train-group restarts (--max-train-restarts): the rest of a restarted run's
+# records are the uninterrupted run's.
+RESTART_COUNTS = "^train/(restarts|replayed_rollouts|seconds_lost)$"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +84,9 @@ def tiny_flags(assets, out: Path, *flags: str) -> list[str]:
 
 # Saving every rollout and one request at a time: the resume test replays this run from its
 # checkpoints and must draw the same samples.
-DISAGGREGATED = ["--num-rollout", "3", "--rollout-num-gpus", "1", "--rollout-concurrency", "1",
+# Nine rollouts (a step takes a fraction of a second): the stop and restart tests compare their
+# runs with it past rollout 7.
+DISAGGREGATED = ["--num-rollout", "9", "--rollout-num-gpus", "1", "--rollout-concurrency", "1",
                  "--save-interval", "1"]  # fmt: skip
 
 
@@ -91,7 +103,7 @@ def disaggregated(assets, tmp_path_factory) -> tuple[list[dict], str, Path]:
 
 def test_disaggregated_run_logs_every_rollout_with_its_time_split(disaggregated):
     records, _, out = disaggregated
-    assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    assert [r["rollout_id"] for r in records] == list(range(9))
     first = records[0]
     for key in ("rollout/reward_mean", "train/loss", "time/generate_s", "time/train_s",
                 "time/update_weights_s", "time/step_s", "check/logprob_abs_diff",
@@ -222,7 +234,8 @@ def test_a_critic_on_a_rank_of_its_own_trains_exactly_as_one_on_the_policys(ppo_
     shared, _ = ppo_runs["shared"]
     own, directory = ppo_runs["own"]
     assert "startup/critic_trainers_s" in own[0] and "startup/critic_trainers_s" not in shared[0]
-    assert compare_records(shared, own, ignore=["^memory/"]) == []
+    # A critic on ranks of its own turns train-group restarts off: no restart counts logged.
+    assert compare_records(shared, own, ignore=["^memory/", RESTART_COUNTS]) == []
     assert (directory / "checkpoints" / "critic" / POINTER_FILE).read_text().strip() == "1"
     memory = (directory / "memory" / "peak_rss.jsonl").read_text().splitlines()
     assert {"train_rank_0", "critic_rank_0"} <= {json.loads(line)["process"] for line in memory}
@@ -239,9 +252,10 @@ FULLY_ASYNC = ["--rollout-num-gpus", "1", "--fully-async", "--off-policy-correct
 
 
 def test_a_fully_async_run_killed_mid_run_resumes_with_its_buffer(assets, tmp_path):
-    """A fully-async `miles train` (weights pushed every second rollout) SIGKILLed, with its Ray
-    instance, while it generates past rollout 2's checkpoint; the same command again resumes
-    from the last complete checkpoint. That checkpoint holds the buffer, and the groups that were
+    """A fully-async `miles train` (weights pushed every second rollout) SIGKILLed, the driver
+    alone, while it generates past rollout 2's checkpoint: every process it started (Ray's, the
+    engine's) is gone within seconds, and so is its Ray session directory. The same command
+    again resumes from the last complete checkpoint. That checkpoint holds the buffer, and the groups that were
     ready when it was saved are the next rollout's first."""
     ckpt, pattern = tmp_path / "ckpt", str(tmp_path / "rollouts" / "r{rollout_id}.pt")
     flags = [*FULLY_ASYNC, "--save", str(ckpt), "--save-debug-rollout-data", pattern,
@@ -276,28 +290,67 @@ def test_a_fully_async_run_killed_mid_run_resumes_with_its_buffer(assets, tmp_pa
 
 
 def kill_when_saved(flags: list[str], ckpt: Path, rollout_id: int) -> int:
-    """Run `miles train` in a process group of its own; SIGKILL the group once the checkpoint of
-    `rollout_id` is complete (its pointer written). Returns the pointer at the kill."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray instance
+    """Run `miles train` in a process group of its own; SIGKILL the driver alone once the
+    checkpoint of `rollout_id` is complete (its pointer written), and check that every process
+    it started ends within seconds, its Ray session directory removed. Returns the pointer at
+    the kill."""
     log = ckpt.parent / "killed.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "miles.cli.main", "train", *flags],
-            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env=_own_ray_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+    started: set[ProcessKey] = set()
     try:
         deadline = time.monotonic() + 600
         while not (pointer := _pointer(ckpt)) or int(pointer) < rollout_id:
             assert process.poll() is None, f"it ended before the kill:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
-        os.killpg(process.pid, signal.SIGKILL)
+        started = _started_by(process.pid)
+        process.kill()
         process.wait(timeout=60)
+        assert _still_running(started, within_s=10) == []
+        assert not Path(_session_dir(log)).exists()
         return int(_pointer(ckpt))
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=60)
+        _end(process, started)
+
+
+def _own_ray_env(**extra: str) -> dict[str, str]:
+    """The environment of a `miles train` that starts its own Ray instance and can import this
+    repository's test helpers."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def _started_by(pid: int) -> set[ProcessKey]:
+    """Every process below `pid` (Ray's, the workers, the engine servers), by pid and start
+    time: a test looks at the processes its run started, never at others' by their name."""
+    return descendants([key_of(pid)]) - {key_of(pid)}
+
+
+def _still_running(processes: set[ProcessKey], *, within_s: float) -> list[str]:
+    """The command lines of `processes` still running after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (left := [key for key in processes if is_alive(key)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid, _ in left]
+
+
+def _session_dir(log: Path) -> str:
+    """The Ray session directory the driver logged (`miles.ray.local_ray`)."""
+    match = re.search(r"local Ray session (\S+)", log.read_text())
+    assert match, log.read_text()[-4000:]
+    return match.group(1)
+
+
+def _end(process: subprocess.Popen, started: set[ProcessKey]) -> None:
+    """Leave nothing of a failed test running: the driver, then what it started (ours only)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=60)
+    kill_all(started)
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_runs_on(assets, tmp_path):
@@ -381,14 +434,14 @@ def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
     assets, tmp_path, disaggregated, caplog
 ):
     full, _, out = disaggregated
-    # The same run, crashed while saving rollout 2: its metrics were logged and its checkpoint
-    # files written, but the pointer (written last) still names rollout 1. And rollout 1's
+    # The same run, crashed while saving rollout 8: its metrics were logged and its checkpoint
+    # files written, but the pointer (written last) still names rollout 7. And rollout 7's
     # checkpoint has since lost three bits of a weight shard: the run must see it and resume
-    # from rollout 0's instead, as if it had never stopped.
+    # from rollout 6's instead, as if it had never stopped.
     shutil.copytree(out / "run", tmp_path / "crashed")
     shutil.copytree(out / "checkpoints", tmp_path / "crashed_ckpt")
-    (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("1")
-    shard = max((tmp_path / "crashed_ckpt" / "iter_0000001" / "model").glob("*.distcp"),
+    (tmp_path / "crashed_ckpt" / POINTER_FILE).write_text("7")
+    shard = max((tmp_path / "crashed_ckpt" / "iter_0000007" / "model").glob("*.distcp"),
                 key=lambda p: p.stat().st_size)  # fmt: skip
     data = bytearray(shard.read_bytes())
     for offset in (0, 9, 123):
@@ -400,11 +453,148 @@ def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
         )
     assert f"{shard} does not match its SHA-256" in caplog.text
     assert "resuming from the newest good checkpoint" in caplog.text
-    assert [r["rollout_id"] for r in resumed] == [0, 1, 2]  # rollouts 1 and 2 logged once each
+    assert [r["rollout_id"] for r in resumed] == list(range(9))  # rollouts 7, 8 logged once each
     # Every non-timing value of the resumed rollouts, to the bit (tools/compare_runs.py); the
     # resumed process's first rollout adds its start-up and step-0 check records.
-    assert compare_records(full[1:], resumed[1:], ignore=["^check/"]) == []
-    assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "2"
+    assert compare_records(full[7:], resumed[7:], ignore=["^check/"]) == []
+    assert (tmp_path / "crashed_ckpt" / POINTER_FILE).read_text().strip() == "8"
+
+
+# The uninterrupted run's settings (DISAGGREGATED), a checkpoint every 5 rollouts.
+STOPPED = [*DISAGGREGATED[:-2], "--save-interval", "5"]
+
+
+def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_rerun_matches(
+    assets, tmp_path, disaggregated
+):
+    """SIGTERM to a `miles train`'s process group (Ray's processes included) during rollout 7,
+    with --save-interval 5: rollout 7 finishes and is saved, every process the run started
+    ends, its Ray session directory is removed, and it exits 143 with one line. The same
+    command resumes at rollout 8, and every value equals the uninterrupted run's."""
+    full, _, _ = disaggregated
+    out, ckpt, pause, log = (
+        tmp_path / "run",
+        tmp_path / "ckpt",
+        tmp_path / "paused",
+        tmp_path / "log",
+    )
+    flags = tiny_flags(assets, out, *STOPPED, "--save", str(ckpt))
+    # The rollout waits before rollout 7 until the signal is in: the stop lands there on a
+    # machine of any speed (pausing_rollout.py; its samples are the built-in rollout's).
+    pausing = ["--rollout-function-path", "tests.e2e.pausing_rollout:PausingRollout"]
+    env = _own_ray_env(**{PAUSE_AT: "7", PAUSE_FILE: str(pause)})
+    miles = str(Path(sys.executable).parent / "miles")  # the console script a user runs
+    with log.open("w") as sink:
+        process = subprocess.Popen([miles, "train", *flags, *pausing], env=env, stdout=sink,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    started: set[ProcessKey] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while not pause.exists():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        started = _started_by(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        while "SIGTERM: stopping after the step of rollout 7" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        pause.unlink()
+        assert process.wait(timeout=120) == 143, log.read_text()[-4000:]
+        assert _still_running(started, within_s=5) == []
+    finally:
+        _end(process, started)
+    text = log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert last == "miles train: stopped by SIGTERM at rollout 7; checkpoint iter_0000007 written"
+    assert "Traceback" not in text
+    assert not Path(_session_dir(log)).exists()
+    assert (ckpt / POINTER_FILE).read_text().strip() == "7"
+    assert [r["rollout_id"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))
+
+    resumed = run(assets, out, *STOPPED, "--save", str(ckpt))  # the same command, again
+    assert [r["rollout_id"] for r in resumed] == list(range(9))
+    # The resumed process's first rollout adds its start-up and step-0 check records.
+    assert compare_records(full, resumed, ignore=["^check/"]) == []
+
+
+def test_ctrl_c_during_start_up_stops_at_once_in_one_line_and_leaves_nothing(assets, tmp_path):
+    """SIGINT to the process group (a terminal's Ctrl-C) once Ray has started: nothing is
+    trained, so the run stops at once; it exits 130 with one line and no traceback, and every
+    process it started is gone."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    flags = tiny_flags(assets, out, "--num-rollout", "2", "--rollout-num-gpus", "1",
+                       "--actor-num-gpus-per-node", "1")  # fmt: skip
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "miles.cli.main", "train", *flags], env=_own_ray_env(),
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    started: set[ProcessKey] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while "local Ray session" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        started = _started_by(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=120) == 130, log.read_text()[-4000:]
+        assert _still_running(started, within_s=5) == []
+    finally:
+        _end(process, started)
+    text = log.read_text()
+    assert text.strip().splitlines()[-1] == (
+        "miles train: stopped by SIGINT during start-up; no checkpoint written (no --save)"
+    )
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert not Path(_session_dir(log)).exists()
+
+
+# The uninterrupted run's settings (DISAGGREGATED), a checkpoint every 3 rollouts.
+RESTARTED = [*DISAGGREGATED[:-2], "--save-interval", "3"]
+
+
+def test_a_train_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(
+    assets, tmp_path, disaggregated
+):
+    """Train rank 1 SIGKILLed once rollout 4 is logged, with --save-interval 3: the train group
+    starts again from rollout 2's checkpoint and replays rollouts 3, 4 (and any it trained
+    since) from their kept train data. The run finishes, its engine never restarted, and every
+    value equals the uninterrupted run's; the kept train data is gone with the last checkpoint."""
+    full, _, _ = disaggregated
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    config = tiny_config(assets, out, *RESTARTED, "--save", str(ckpt))
+    with Run(config) as started:
+        ranks = [
+            ray.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in started.trainers.actors
+        ]
+        engines = ray.get(started.rollout_manager.engine_pids.remote())
+        killed: list[int] = []
+        killer = threading.Thread(
+            target=_kill_once_logged, args=(out / "metrics.jsonl", 5, ranks[1], killed),
+            daemon=True,
+        )  # fmt: skip
+        killer.start()
+        train_sync(started)
+        killer.join(timeout=10)
+        assert ray.get(started.rollout_manager.engine_pids.remote()) == engines
+    assert killed, "the run ended before rank 1 was killed"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in records] == list(range(9))
+    assert records[-1]["train/restarts"] == 1 and records[-1]["train/seconds_lost"] > 0
+    assert records[-1]["train/replayed_rollouts"] >= 2  # 3 and 4 at least
+    assert compare_records(full, records, ignore=["^check/", RESTART_COUNTS]) == []
+    assert list((ckpt / "train_data").glob("*")) == []
+
+
+def _kill_once_logged(metrics: Path, records: int, pid: int, killed: list[int]) -> None:
+    """SIGKILL `pid` as soon as `metrics` holds `records` lines (within seconds of the last)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.is_file() and metrics.read_text().count("\n") >= records:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.01)
 
 
 def test_debug_replay_trains_on_saved_rollouts_as_the_run_that_saved_them(

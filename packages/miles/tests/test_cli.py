@@ -66,7 +66,8 @@ def test_a_failed_run_prints_its_cause_first_and_keeps_the_traceback(
 
     cause = "train rank 1 of 2 (pid 4242 on node 10.0.0.7) died in train (rollout 3): gone"
 
-    def failing_run(config):  # stands in for a run whose rank died: the report is under test
+    # Stands in for a run whose rank died: the report is under test.
+    def failing_run(config, *, stop=None):
         raise TrainRankError(cause)
 
     monkeypatch.setattr(miles.train, "train", failing_run)

@@ -9,6 +9,7 @@ waits for that generation before every weight update, so an update never meets a
 Fully-async mode never waits for a generation: the engines fill a bounded buffer in the background
 and each step takes a batch from it, within the staleness bound (`miles.rollout.fully_async`).
 Weights go to the engines every --update-weights-interval rollouts and after the last.
+A stop signal (SIGTERM, SIGINT) ends each loop after the step in progress, with its checkpoint.
 The start-up's timings (`startup/*`) are logged with the first rollout's record.
 """
 
@@ -20,13 +21,15 @@ from typing import Any
 
 from miles.config.miles_config import MilesConfig
 from miles.ray.run import Run
+from miles.utils.graceful_stop import GracefulStop
 
 logger = logging.getLogger(__name__)
 
 
-def train(config: MilesConfig) -> dict[str, Any]:
-    """Run the whole training; returns the last rollout's metrics."""
-    with Run(config) as run:
+def train(config: MilesConfig, *, stop: GracefulStop | None = None) -> dict[str, Any]:
+    """Run the whole training, or until `stop` is signalled; returns the last rollout's
+    metrics."""
+    with Run(config, stop=stop) as run:
         if config.training.fully_async:
             return train_fully_async(run)
         loop = train_async if config.training.async_train else train_sync
@@ -51,6 +54,8 @@ def train_sync(run: Run) -> dict[str, Any]:
         evaluated = run.maybe_eval(rollout_id)
         parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
         metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
+        if run.stop_after(rollout_id):
+            break
     return metrics
 
 
@@ -77,6 +82,8 @@ def train_async(run: Run) -> dict[str, Any]:
         evaluated = run.maybe_eval(rollout_id)
         parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
         metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
+        if run.stop_after(rollout_id):
+            break
     return metrics
 
 
@@ -95,6 +102,8 @@ def train_fully_async(run: Run) -> dict[str, Any]:
         evaluated = run.maybe_eval(rollout_id)
         parts = (startup, rollout.metrics, check, trained, saved, updated, evaluated)
         metrics, startup = _finish_step(run, rollout_id, step_start, parts), {}
+        if run.stop_after(rollout_id):
+            break
     return metrics
 
 

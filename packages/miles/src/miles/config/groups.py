@@ -235,6 +235,17 @@ class TrainingConfig:
     rollout's train steps, a weight update, a save); past it the run stops naming the ranks that
     did not answer. It finds a rank hung outside any collective, so it must exceed
     --distributed-timeout-s (a rank hung inside one is named by its peers first)."""
+    max_train_restarts: int = 3
+    """How often the run starts its train group again after a train rank died or hung: the new
+    group loads the last checkpoint and replays the rollouts trained since (their train data is
+    kept in <save>/train_data until a checkpoint covers it), then the run goes on exactly as
+    before. Past this many restarts the run stops, naming the last failure. Needs --save and
+    --save-interval (the disk holds at most that many rollouts' train data); off with --colocate
+    and with a critic on ranks of its own. 0: a failed rank stops the run."""
+    stop_grace_s: float = 60.0
+    """After SIGTERM or SIGINT, how long `miles train` has to finish the step in progress and save
+    its checkpoint before it stops at once, without one (the latest checkpoint stays intact).
+    A second signal stops at once too. It exits with 128 + the signal's number (143, 130)."""
 
     def __post_init__(self) -> None:
         _at_least(self.global_batch_size, 1, "--global-batch-size")
@@ -251,6 +262,9 @@ class TrainingConfig:
                 f"--distributed-timeout-s ({self.distributed_timeout_s}): a rank hung in a "
                 "collective is named by its peers once the latter passes; raise the former"
             )
+        _at_least(self.max_train_restarts, 0, "--max-train-restarts")
+        if not self.stop_grace_s > 0:
+            raise ValueError(f"--stop-grace-s ({self.stop_grace_s}) must be positive")
         _at_least(self.num_steps_per_rollout, 1, "--num-steps-per-rollout")
         _at_least(self.max_weight_staleness, 0, "--max-weight-staleness")
         _at_least(self.fully_async_buffer_groups, 1, "--fully-async-buffer-groups")

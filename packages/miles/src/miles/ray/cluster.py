@@ -3,6 +3,8 @@ the address the run's servers bind (`bind_host`).
 
 Starting a local instance is explicit (`address="local"`): a bare `ray.init()` would silently join
 whatever cluster was last started on the machine, which is someone else's job on a shared host.
+A local instance is the driver's own (`miles.ray.local_ray`): deaf to the driver's signals,
+stopped when the driver dies, and removed with its session directory by `stop_local_ray`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import ray
+from miles.ray.local_ray import start_local_ray
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,7 @@ def init_ray(
         ray.init(address=address, log_to_driver=log_to_driver)
         return
     logger.info("starting a local Ray instance (num_cpus=%s)", num_cpus)
-    ray.init(
-        address="local",
+    start_local_ray(
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=log_to_driver,

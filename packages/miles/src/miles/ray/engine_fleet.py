@@ -347,6 +347,17 @@ class EngineFleet:
                 )
         await self.supervisor.admit(urls)
 
+    async def weight_versions(self) -> dict[str, str | None]:
+        """The weight version each engine in service reports (`/get_model_info`)."""
+        serving = self.pool.serving() if self.pool is not None else list(self.engine_urls)
+
+        async def version(url: str) -> str | None:
+            async with EngineClient(url, max_retries=0) as client:
+                found = (await client.get_model_info()).get("weight_version")
+            return None if found is None else str(found)
+
+        return dict(zip(serving, await asyncio.gather(*map(version, serving)), strict=True))
+
     def engines_lost_for_good(self) -> list[str]:
         """External engines lost during the run: the trainers push weights to the others."""
         return self.supervisor.lost_for_good() if self.supervisor else []

@@ -30,6 +30,7 @@ from miles.backends.sglang_utils.client import EngineError
 from miles.config.eval_config import EvalDatasetConfig
 from miles.config.miles_config import MilesConfig
 from miles.ray.engine_fleet import EngineFleet
+from miles.ray.kept_train_data import KeptTrainData
 from miles.ray.placement import Placement
 from miles.rollout.context import DataSource, RolloutContext, ScoreGroups
 from miles.rollout.data_source import DataSourceConfig, PromptDataset, RolloutDataSource
@@ -110,6 +111,7 @@ class RolloutManager:
         self._fully_async_state: dict[str, Any] | None = None  # from --load, until it starts
         self._train_data_import: asyncio.Future[ModuleType] | None = None
         self._profiling: Any = None  # a RolloutProfiling window, between start and stop
+        self._kept: KeptTrainData | None = None  # with trainer restarts: the rollouts to replay
 
     async def load_data(self) -> int:
         """Read the tokenizer, the prompts and the eval prompts; returns the number of prompts.
@@ -250,6 +252,32 @@ class RolloutManager:
 
     def fault_metrics(self) -> dict[str, float]:
         return self.engines.fault_metrics()
+
+    async def engine_weight_versions(self) -> dict[str, str | None]:
+        """The weight version each serving engine reports (after a trainer restart, the driver
+        checks that they still hold the version it pushed last)."""
+        return await self.engines.weight_versions()
+
+    # -- the train data a restarted train group replays (miles.ray.kept_train_data) ------------
+
+    async def keep_train_data(self, rollout_id: int, data: list[ray.ObjectRef]) -> None:
+        """Write rollout `rollout_id`'s train data (its shards' references) to disk."""
+        if self._kept is None:
+            assert self.config.checkpoint.save, "trainer restarts need --save"
+            self._kept = KeptTrainData(self.config.checkpoint.save)
+        shards = await asyncio.gather(*data)
+        await asyncio.to_thread(self._kept.keep, rollout_id, list(shards))
+
+    async def kept_train_data(self, rollout_id: int) -> list[ray.ObjectRef]:
+        """Rollout `rollout_id`'s train data, read back into the object store."""
+        assert self._kept is not None, "keep_train_data() first"
+        shards = await asyncio.to_thread(self._kept.load, rollout_id)
+        return [ray.put(shard) for shard in shards]
+
+    async def drop_train_data(self, through: int) -> None:
+        """A checkpoint covers the rollouts up to `through`: their train data goes."""
+        if self._kept is not None:
+            await asyncio.to_thread(self._kept.drop_through, through)
 
     async def engine_pids(self) -> list[int]:
         """Process ids of the engine servers (for monitoring, and tests that check shutdown)."""

@@ -3,16 +3,19 @@
 Entering a `Run` checks the directories it will read and write (`miles.utils.run_dirs`), connects
 to Ray, reserves the placement group, starts the rollout manager (which starts the engines) and the
 training group, and resumes from `--load`; leaving it stops everything, also after an error or
-Ctrl-C. Each method is one step of the loop in `miles.train`, with its timing recorded, so the
+Ctrl-C (at once after `StopNow`). A stop signal (`GracefulStop`) makes the step in progress save
+its checkpoint, and `stop_after` ends the loop after it. Each method is one step of the loop in `miles.train`, with its timing recorded, so the
 loop itself reads as the algorithm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
@@ -31,17 +34,22 @@ from miles.ray.rollout_source import (
     save_rollout,
 )
 from miles.ray.startup_clock import StartupClock
-from miles.ray.train_group import RayTrainGroup
+from miles.ray.train_group import RayTrainGroup, TrainRankError
+from miles.ray.train_restarts import TrainRestarts
 from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.bytecode import uncached_bytecode_warning
+from miles.utils.checkpoint_layout import iteration_dir, latest_rollout_id
 from miles.utils.console import ConsoleView
 from miles.utils.divergence import DivergenceGuard, vocab_size
+from miles.utils.graceful_stop import GracefulStop
 from miles.utils.plugins import TRAIN_BACKENDS, plugin_path
 from miles.utils.run_dirs import checkpoint_to_resume, claim_output_dir
 from miles.utils.run_lock import RunLock
 from miles.utils.tracking import Tracker
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # While waiting for the rollout manager, ask it this often for restarted engines to restore.
@@ -57,8 +65,15 @@ class RolloutManagerTimeoutError(RuntimeError):
 
 
 class Run:
-    def __init__(self, config: MilesConfig):
+    def __init__(self, config: MilesConfig, *, stop: GracefulStop | None = None):
+        """`stop`: the driver's signal state (`miles train`); None where nothing signals."""
         self.config = config
+        self.stop = stop
+        self._save_point_version: int | None = None  # the engines' version at the save point
+        self._committed: int | None = None  # the last checkpoint this run completed
+        self._has_gpus = False
+        self._spec: TrainRunSpec | None = None  # what the train ranks were built with
+        self._restarts: TrainRestarts | None = None  # --max-train-restarts, where it applies
         self.placement: Placement | None = None
         self.rollout_manager: Any = None
         self.rollouts: RolloutSource | None = None
@@ -103,7 +118,10 @@ class Run:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        self.close(failed=exc_type is not None)
+        # Interrupted (a second signal, the stop's grace over, Ctrl-C outside `miles train`):
+        # no call waits on a process, every one is killed.
+        hurry = isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt)
+        self.close(failed=exc_type is not None, hurry=hurry)
 
     def _start(self) -> None:
         """Start everything, overlapping what can overlap: the engine processes load their model
@@ -137,10 +155,10 @@ class Run:
                 run_config=_jsonable(config.flat()), resuming=resumed is not None,
             )  # fmt: skip
         with clock.phase("ray"):
-            has_gpus = self._join_ray()
+            self._has_gpus = self._join_ray()
         with clock.phase("placement"):
             self.placement = create_placement(
-                plan_for_config(config, use_gpus=has_gpus),
+                plan_for_config(config, use_gpus=self._has_gpus),
                 bind_host=bind_host(config.cluster.external_engine_urls),
             )
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
@@ -163,26 +181,9 @@ class Run:
         trainers_began = time.perf_counter()
         if train:
             # The rank processes start now, beside the engines.
-            self.trainers = RayTrainGroup(
-                plugin_path(TRAIN_BACKENDS, cluster.train_backend),
-                self.placement,
-                world_size=dp_size,
-                colocate=cluster.colocate,
-                has_gpus=has_gpus,
-                cpus_per_bundle=cluster.cpus_per_bundle,
-                call_timeout_s=training.train_call_timeout_s,
-            )
+            self.trainers = self._train_group()
             if config.critic.on_own_ranks:
-                self.critics = RayTrainGroup(
-                    plugin_path(TRAIN_BACKENDS, cluster.train_backend),
-                    self.placement,
-                    world_size=self.placement.plan.num_critic_ranks,
-                    colocate=False,
-                    has_gpus=has_gpus,
-                    cpus_per_bundle=cluster.cpus_per_bundle,
-                    call_timeout_s=training.train_call_timeout_s,
-                    critic=True,
-                )
+                self.critics = self._train_group(critic=True)
         self.num_rollout = config.resolve_num_rollout(self._from_manager(dataset_size, "load_data"))
         if share_devices:
             self.engine_urls = self._from_manager(
@@ -195,6 +196,7 @@ class Run:
             )
         if self.trainers is not None:
             spec = TrainRunSpec.from_config(config, num_rollout=self.num_rollout)
+            self._spec = spec
             assert config.backend is not None, "the schema adds the chosen backend's group"
             self.start_rollout_id = self.trainers.init(spec, config.algorithm, config.backend)
             clock.record({"trainers": time.perf_counter() - trainers_began})
@@ -229,6 +231,7 @@ class Run:
             self.offload_trainer_and_onload_engines()
         clock.record(self._from_manager(manager.get_startup_seconds.remote(), "startup seconds"))
         self._resume_rollout_state()
+        self._restarts = self._trainer_restarts()
         self.tracker = Tracker(
             config.logging.output_dir,
             use_tensorboard=config.logging.use_tensorboard,
@@ -256,6 +259,23 @@ class Run:
             self.start_rollout_id, self.num_rollout - 1, self.num_rollout, dp_size,
             len(self.engine_urls),
         )  # fmt: skip
+
+    def _train_group(self, *, critic: bool = False) -> RayTrainGroup:
+        """The policy's train ranks (or a critic's on ranks of its own), starting now."""
+        cluster, placement = self.config.cluster, self.placement
+        assert placement is not None
+        return RayTrainGroup(
+            plugin_path(TRAIN_BACKENDS, cluster.train_backend),
+            placement,
+            world_size=placement.plan.num_critic_ranks
+            if critic
+            else self.config.data_parallel_size,
+            colocate=cluster.colocate and not critic,
+            has_gpus=self._has_gpus,
+            cpus_per_bundle=cluster.cpus_per_bundle,
+            call_timeout_s=self.config.training.train_call_timeout_s,
+            critic=critic,
+        )
 
     def _init_critics(self, spec: TrainRunSpec) -> None:
         """A critic on ranks of its own takes the policy's shards, and resumes where it does."""
@@ -355,9 +375,106 @@ class Run:
         )  # fmt: skip
         logger.info("engines %s restored at weight version %s", urls, version)
 
-    def close(self, *, failed: bool = False) -> None:
+    # -- train-group restarts (architecture.md: "Trainer fault tolerance") -----------------------
+
+    def _trainer_restarts(self) -> TrainRestarts | None:
+        """--max-train-restarts, where a restarted group can return to the state it had."""
+        limit, checkpoint = self.config.training.max_train_restarts, self.config.checkpoint
+        if self.trainers is None or not limit:
+            return None
+        why_not = (
+            "no --save: no checkpoint to return to" if not checkpoint.save
+            # Every rollout since the start would be replayed, all their train data kept.
+            else "no --save-interval: no checkpoint before the last" if not checkpoint.save_interval
+            else "--colocate" if self.config.cluster.colocate
+            else "a critic on ranks of its own" if self.critics is not None
+            else None
+        )  # fmt: skip
+        if why_not:
+            logger.info("train-group restarts are off (%s): a train rank's failure stops the run",
+                        why_not)  # fmt: skip
+            return None
+        return TrainRestarts(limit, resume_at=self.start_rollout_id)
+
+    def _on_trainers(self, what: str, call: Callable[[RayTrainGroup], T]) -> T:
+        """`call(self.trainers)`; when a train rank dies or hangs in it, the group starts again
+        where it was (`_restart_trainers`) and the call goes again."""
+        failed = False
+        while True:
+            try:
+                if failed:
+                    self._restart_trainers(pushing=what == "update_weights")
+                assert self.trainers is not None
+                return call(self.trainers)
+            except TrainRankError as err:
+                if self._restarts is None:
+                    raise
+                self._restarts.count(err)  # past --max-train-restarts: raises, naming err
+                failed = True
+
+    def _restart_trainers(self, *, pushing: bool) -> None:
+        """A new train group from the last checkpoint, trained again on the rollouts since (from
+        their kept train data): it holds what the old one held. It takes up the engines' weight
+        version, which is checked (`pushing`: the old group died pushing the next one)."""
+        restarts, save = self._restarts, self.config.checkpoint.save
+        assert restarts is not None and self.trainers is not None and self._spec is not None
+        began = time.perf_counter()
+        self._phase("restart trainers")
+        self.trainers.shutdown(hurry=True)
+        self.trainers = self._train_group()
+        spec = self._spec
+        if latest_rollout_id(save) is not None:  # else the checkpoint (if any) it started from
+            spec = dataclasses.replace(spec, load=save)
+        assert self.config.backend is not None
+        start = self.trainers.init(spec, self.config.algorithm, self.config.backend)
+        if start != restarts.resume_at:
+            raise RuntimeError(
+                f"the restarted train group resumed at rollout {start}, but this run's last "
+                f"checkpoint is of rollout {restarts.resume_at - 1}; was --save {save} changed "
+                "by another process?"
+            )
+        for rollout_id in restarts.trained:
+            data = self._from_manager(
+                self.rollout_manager.kept_train_data.remote(rollout_id), "kept_train_data"
+            )
+            self.trainers.train(rollout_id, data)
+            restarts.replayed += 1
+        self.trainers.rejoin(self.weight_version, restarts.restarts)
+        if self.engine_urls:
+            admin_key = self._from_manager(
+                self.rollout_manager.engine_admin_key.remote(), "admin key"
+            )
+            self.trainers.connect_engines(self.engine_urls, admin_key)
+            self._check_engine_versions(pushing=pushing)
+        restarts.seconds_lost += time.perf_counter() - began
+        logger.info("train group restarted in %.1f s; it replayed rollouts %s",
+                    time.perf_counter() - began, restarts.trained or "none")  # fmt: skip
+
+    def _check_engine_versions(self, *, pushing: bool) -> None:
+        """The engines hold the weight version the run pushed last (or, when the old group died
+        pushing, possibly part of the next one, which is then pushed again whole)."""
+        if self.weight_version is None:
+            return
+        versions = self._from_manager(
+            self.rollout_manager.engine_weight_versions.remote(), "engine_weight_versions",
+            engine_wait_s=self.config.engine.engine_control_timeout_s,
+        )  # fmt: skip
+        allowed = {str(self.weight_version)} | (
+            {str(self.weight_version + 1)} if pushing else set()
+        )
+        wrong = {url: found for url, found in versions.items() if found not in allowed}
+        if wrong:
+            raise RuntimeError(
+                f"after the train group's restart, engines report weight versions {wrong}, but "
+                f"the run pushed version {self.weight_version} last: they do not hold the "
+                "weights the trainers returned to; run the same command to resume from the "
+                "last checkpoint"
+            )
+
+    def close(self, *, failed: bool = False, hurry: bool = False) -> None:
         """Stop every process of the run; safe to call after a failed start. `failed`: the run
-        ends with an error (MLflow marks its run so)."""
+        ends with an error (MLflow marks its run so). `hurry`: kill the processes without
+        asking them to close (the engine servers die with their actors)."""
         if self.console is not None:
             self.console.close()
         if self.observer is not None:  # its profilers and samplers live in the run's processes
@@ -367,14 +484,15 @@ class Run:
                 logger.warning("closing the profilers and memory samplers: %s", exc)
             self.observer = None
         if self.trainers is not None:
-            self.trainers.shutdown()
+            self.trainers.shutdown(hurry=hurry)
             self.trainers = None
         if self.critics is not None:
-            self.critics.shutdown()
+            self.critics.shutdown(hurry=hurry)
             self.critics = None
         if self.rollout_manager is not None:
             try:
-                ray.get(self.rollout_manager.dispose.remote(), timeout=120)
+                if not hurry:
+                    ray.get(self.rollout_manager.dispose.remote(), timeout=120)
             except Exception as exc:
                 logger.warning("disposing the rollout manager: %s", exc)
             ray.kill(self.rollout_manager)
@@ -396,6 +514,9 @@ class Run:
     # Each step returns what it measured; the loop merges them into the rollout's record.
 
     def _phase(self, name: str, rollout_id: int | None = None) -> None:
+        if self.stop is not None and rollout_id is not None:
+            self.stop.running = True  # from the first step on, a stop signal waits for a save
+            self.stop.rollout_id = rollout_id
         if self.console is not None:
             self.console.update(name, rollout_id)
         if self.observer is not None:
@@ -463,7 +584,7 @@ class Run:
                 self.trainers, self.critics, rollout.rollout_id, rollout.data
             )
         else:
-            steps = self.trainers.train(rollout.rollout_id, rollout.data)
+            steps = self._train_kept(rollout)
         skipped = self.guard.record_steps(rollout.rollout_id, steps)
         metrics = {
             (k if "/" in k else f"train/{k}"): v
@@ -473,23 +594,74 @@ class Run:
         return {**metrics, "train/skipped_steps": float(skipped),
                 "time/train_s": time.perf_counter() - start}  # fmt: skip
 
+    def _train_kept(self, rollout: Rollout) -> list[dict[str, Any]]:
+        """Train on `rollout`, its train data written to disk meanwhile when a restarted train
+        group may have to replay it."""
+        rollout_id = rollout.rollout_id
+        if self._restarts is None:
+            assert self.trainers is not None
+            return self.trainers.train(rollout_id, rollout.data)
+        keep = self.rollout_manager.keep_train_data.remote(rollout_id, list(rollout.data))
+        steps = self._on_trainers(
+            f"train (rollout {rollout_id})", lambda group: group.train(rollout_id, rollout.data)
+        )
+        self._from_manager(keep, "keep_train_data")
+        self._restarts.trained_rollout(rollout_id)
+        return steps
+
     def maybe_save(self, rollout_id: int) -> dict[str, float]:
+        """Save every --save-interval rollouts, after the last, and when a stop was asked for."""
         checkpoint = self.config.checkpoint
+        self._save_point_version = self.weight_version
         last = rollout_id + 1 == self.num_rollout
         if not checkpoint.save or self.trainers is None:
             return {}
-        if not last and not (checkpoint.save_interval and (rollout_id + 1) % checkpoint.save_interval == 0):  # fmt: skip
+        stopping = self.stop is not None and self.stop.requested
+        if not last and not stopping and not (checkpoint.save_interval and (rollout_id + 1) % checkpoint.save_interval == 0):  # fmt: skip
             return {}
         self._phase("save", rollout_id)
         start = time.perf_counter()
+        self._save(rollout_id)
+        return {"time/save_s": time.perf_counter() - start}
+
+    def _save(self, rollout_id: int, weight_version: int | None = None) -> None:
         # The rollout state, then the trainer's part; `finish_rollout` writes the pointer that
         # completes them after the rollout's record is logged.
+        assert self.trainers is not None
         self._from_manager(self.rollout_manager.save.remote(rollout_id), "save")
-        self.trainers.save_model(rollout_id, False)
+        self._on_trainers(
+            "save_model", lambda group: group.save_model(rollout_id, False, weight_version)
+        )
         if self.critics is not None:
             self.critics.save_model(rollout_id, False)
         self._uncommitted_save = rollout_id
-        return {"time/save_s": time.perf_counter() - start}
+
+    def _commit(self, rollout_id: int) -> None:
+        assert self._uncommitted_save == rollout_id and self.trainers is not None
+        self._on_trainers("commit_checkpoint", lambda group: group.commit_checkpoint(rollout_id))
+        if self.critics is not None:
+            self.critics.commit_checkpoint(rollout_id)
+        self._uncommitted_save = None
+        self._committed = rollout_id
+        if self._restarts is not None:  # a restart returns here: the older train data goes
+            self._restarts.checkpointed(rollout_id)
+            self._from_manager(self.rollout_manager.drop_train_data.remote(rollout_id), "drop")
+
+    def stop_after(self, rollout_id: int) -> bool:
+        """Whether the loop ends after this rollout because a stop signal came. Its checkpoint
+        is then complete: saved at the step's save point, or now when the signal came after
+        it (recording the weight version of the save point, as that save would have)."""
+        if self.stop is None or not self.stop.requested:
+            return False
+        save = self.config.checkpoint.save
+        if save and self.trainers is not None and self._committed != rollout_id:
+            self._phase("save", rollout_id)
+            self._save(rollout_id, self._save_point_version)
+            self._commit(rollout_id)
+        self.stop.rollout_id = rollout_id
+        if self._committed == rollout_id:
+            self.stop.checkpoint = iteration_dir(save, rollout_id).name
+        return True
 
     def offload_engines(self) -> None:
         self._phase("offload engines")
@@ -516,14 +688,14 @@ class Run:
         self._phase("update weights")
         start = time.perf_counter()
         if not self.fault_tolerant:
-            self.weight_version = self.trainers.update_weights()
+            self.weight_version = self._push_weights()
             return {"time/update_weights_s": time.perf_counter() - start}
         # Engines lost since the last rollout are back (or the run stops) before the push;
         # external engines lost for good are left out of it.
         self._restore_engines(self._recover_engines())
         self._drop_lost_engines()
         try:
-            self.weight_version = self.trainers.update_weights()
+            self.weight_version = self._push_weights()
         except Exception as err:
             lost = self._recover_engines()
             dropped = self._drop_lost_engines()
@@ -538,6 +710,9 @@ class Run:
             else:
                 self.weight_version = self.trainers.restore_engines(list(self.engine_urls))
         return {"time/update_weights_s": time.perf_counter() - start}
+
+    def _push_weights(self) -> int:
+        return self._on_trainers("update_weights", lambda group: group.update_weights())
 
     def update_due(self, rollout_id: int) -> bool:
         """Whether the weights go to the engines after rollout `rollout_id`: every
@@ -650,15 +825,13 @@ class Run:
                 self.rollout_manager.fault_metrics.remote(), "fault_metrics"
             )
             metrics = {**metrics, **fault_metrics}
+        if self._restarts is not None:
+            metrics = {**metrics, **self._restarts.metrics()}
         if self.observer is not None:  # the memory record; a profiling window may end here
             metrics = {**metrics, **self.observer.finish_rollout(rollout_id)}
         self.tracker.log(metrics, step=rollout_id)
         if self._uncommitted_save is not None:
-            assert self._uncommitted_save == rollout_id and self.trainers is not None
-            self.trainers.commit_checkpoint(rollout_id)
-            if self.critics is not None:
-                self.critics.commit_checkpoint(rollout_id)
-            self._uncommitted_save = None
+            self._commit(rollout_id)
         if self.console is not None:
             self.console.record(rollout_id, metrics)
         self.guard.check(rollout_id, metrics)

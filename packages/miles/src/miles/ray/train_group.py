@@ -274,8 +274,10 @@ class RayTrainGroup:
         """Run `method(*args)` on every rank; rank 0's result."""
         return self._gather(self._all(method, *args), method)[0]
 
-    def save_model(self, rollout_id: int, commit: bool = True) -> None:
-        self.call("save_model", rollout_id, commit)
+    def save_model(
+        self, rollout_id: int, commit: bool = True, weight_version: int | None = None
+    ) -> None:
+        self.call("save_model", rollout_id, commit, weight_version)
 
     def commit_checkpoint(self, rollout_id: int) -> None:
         self.call("commit_checkpoint", rollout_id)
@@ -287,6 +289,10 @@ class RayTrainGroup:
     def update_weights(self) -> int:
         """Push the weights to the engines as the next version; returns that version."""
         return self.call("update_weights")
+
+    def rejoin(self, weight_version: int | None, generation: int) -> None:
+        """A restarted group takes up the engines' weight version (`TrainRayActor.rejoin`)."""
+        self.call("rejoin", weight_version, generation)
 
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights to restarted engines; the weight version they now hold."""
@@ -305,11 +311,13 @@ class RayTrainGroup:
         calls = [a.__ray_call__.remote(lambda self: _node_id()) for a in self.actors]
         return self._gather(calls, "node_ids")
 
-    def shutdown(self) -> None:
-        """Release each rank's resources (engine clients, groups), then end the actors."""
+    def shutdown(self, *, hurry: bool = False) -> None:
+        """Release each rank's resources (engine clients, groups), then end the actors;
+        `hurry`: end them without asking."""
         live = [a for rank, a in enumerate(self.actors) if rank not in self._hung]
         try:
-            ray.get([actor.call.remote("close") for actor in live], timeout=60)
+            if not hurry:
+                ray.get([actor.call.remote("close") for actor in live], timeout=60)
         except Exception as exc:  # a dead rank must not keep the others alive
             logger.warning("closing the train group: %s", exc)
         for actor in self.actors:

@@ -62,6 +62,8 @@ class TrainRayActor(abc.ABC):
 
     backend_name: ClassVar[str] = "backend"
     """Names the weight-update group with the engines (`miles-<name>-weights`)."""
+    weights_group_suffix: str = ""
+    """Ends the weight-update group's name: a restarted train group's own (see `rejoin`)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -359,9 +361,13 @@ class TrainRayActor(abc.ABC):
         self._require_awake("logprob_gap")
         return self._trainer.logprob_gap(_resolve(data_ref))
 
-    def save_model(self, rollout_id: int, commit: bool = True) -> None:
+    def save_model(
+        self, rollout_id: int, commit: bool = True, weight_version: int | None = None
+    ) -> None:
         """A resumable checkpoint of model, optimizer and schedule for `rollout_id`; without
-        `commit` it is not named the latest until `commit_checkpoint`."""
+        `commit` it is not named the latest until `commit_checkpoint`. `weight_version`: the
+        version to record, when not the current one (a save after this rollout's weight push
+        records the version of its save point, so a resumed run numbers its pushes the same)."""
         if self.critic_trainer is not None:  # role "critic"
             self._save_critic(rollout_id, self.critic_trainer.global_step, commit=commit)
             return
@@ -369,7 +375,7 @@ class TrainRayActor(abc.ABC):
             raise ValueError("save_model() needs a checkpoint directory: set --save")
         self._require_awake("save_model")
         extra = {
-            "weight_version": self.weight_version,
+            "weight_version": self.weight_version if weight_version is None else weight_version,
             "global_step": self._trainer.global_step,
             "hf_checkpoint": str(self.spec.hf_checkpoint),
         }
@@ -430,6 +436,15 @@ class TrainRayActor(abc.ABC):
         self._push(self._updater)
         return self.weight_version
 
+    def rejoin(self, weight_version: int | None, generation: int) -> None:
+        """In a train group started again after one of its ranks died (all ranks call this,
+        after `init` and the replay): count weight versions on from `weight_version`, the one
+        the engines hold (None: the checkpoint's), and name this group's weight-update group by
+        its `generation`, since the engines still hold the dead group's under the old name."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.weights_group_suffix = f"-restart{generation}"
+
     def restore_engines(self, engine_urls: list[str]) -> int:
         """Push the current weights, as the current version, to restarted engines (all ranks
         call this); returns that version. The other engines keep generating undisturbed, and
@@ -461,7 +476,8 @@ class TrainRayActor(abc.ABC):
             world_size=self.world_size, colocate=self.spec.colocate,
             buffer_size=self.backend.update_weight_buffer_size, dtype=engine.engine_dtype,
             master_address=self.master_addr,
-            group_name=f"miles-{self.backend_name}-weights{group_suffix}", only=only,
+            group_name=f"miles-{self.backend_name}-weights{self.weights_group_suffix}{group_suffix}",
+            only=only,
             timeout_s=self.spec.distributed_timeout_s, api_key=self._engine_admin_key,
             http_timeouts=EngineTimeouts(
                 control_s=self.spec.engine_control_timeout_s,

@@ -56,6 +56,12 @@ def latest_rollout_id(load_dir: str | os.PathLike) -> int | None:
         ) from None
 
 
+def latest_checkpoint_name(load_dir: str | os.PathLike) -> str | None:
+    """The latest complete checkpoint's directory name (`iter_0000007`), or None."""
+    latest = latest_rollout_id(load_dir)
+    return None if latest is None else iteration_dir(load_dir, latest).name
+
+
 def commit_checkpoint(save_dir: str | os.PathLike, rollout_id: int) -> None:
     """Name rollout `rollout_id`'s checkpoint the latest: call once all of its parts are written.
 

@@ -1,12 +1,16 @@
 """A server subprocess owned as a whole process tree: own session, log file, readiness wait.
 
 The generic part under every server miles starts (SGLang, the reference engine, sglang-router), so
-that the launchers and the router wiring build on it without importing each other.
+that the launchers and the router wiring build on it without importing each other. A server dies
+with the process that started it (on Linux), even when that one is SIGKILLed: a Ray actor killed
+with its driver leaves no engine behind.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -34,6 +38,25 @@ def file_tail(path: str | Path, lines: int) -> str:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
         text = f.read().decode(errors="replace")
     return "\n".join(text.splitlines()[-lines:])
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up before any fork: the child between fork and exec must not import or take locks.
+_LIBC = (
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if os.uname().sysname == "Linux"
+    else None
+)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel SIGKILLs it when the thread that started it exits
+    (the actor's worker thread, which lives as long as its process). It also unblocks SIGTERM
+    and SIGINT, which Ray's processes block and pass on (`miles.ray.local_ray`): the server must
+    stop on `shutdown`'s SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class ServerStartError(RuntimeError):
@@ -111,6 +134,7 @@ class ServerProcess:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killpg reaches the whole tree
+                preexec_fn=_die_with_parent,
                 env={**os.environ, **env} if env else None,
             )
         except OSError:
