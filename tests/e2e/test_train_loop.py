@@ -464,6 +464,7 @@ def test_a_run_resumed_after_a_crash_matches_the_uninterrupted_one(
 STOPPED = [*DISAGGREGATED[:-2], "--save-interval", "5"]
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_rerun_matches(
     assets, tmp_path, disaggregated
 ):
@@ -517,6 +518,7 @@ def test_a_sigterm_to_the_process_group_saves_the_rollout_in_progress_and_the_re
     assert compare_records(full, resumed, ignore=["^check/"]) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_stops_at_once_in_one_line_and_leaves_nothing(assets, tmp_path):
     """SIGINT to the process group (a terminal's Ctrl-C) once Ray has started: nothing is
     trained, so the run stops at once; it exits 130 with one line and no traceback, and every
@@ -553,6 +555,7 @@ def test_ctrl_c_during_start_up_stops_at_once_in_one_line_and_leaves_nothing(ass
 RESTARTED = [*DISAGGREGATED[:-2], "--save-interval", "3"]
 
 
+@pytest.mark.slow
 def test_a_train_rank_killed_mid_run_is_restarted_and_the_run_matches_the_uninterrupted_one(
     assets, tmp_path, disaggregated
 ):
