@@ -1,7 +1,8 @@
-"""A run that survives its engines: two reference engines, one SIGKILLed and the other frozen
-(SIGSTOP) mid-run; fault tolerance (on by default with two engines) restarts each, pushes it the
-current weights and puts it back, and the run ends with every rollout logged and both restarts
-counted."""
+"""A run that survives its engines: two reference engines, one SIGKILLed as a weight push begins
+and the other frozen (SIGSTOP) mid-run; fault tolerance (on by default) restarts each, pushes it
+the current weights and puts it back, and the run ends with every rollout logged and both
+restarts counted. The push that met the dead engine is the engine's failure, not the trainers':
+with train-group restarts on (--save, --save-interval), the train group is not restarted."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import ray
 
 from miles.config import load_config
+from miles.ray.run import Run
 from miles.train import train
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
@@ -44,15 +47,30 @@ def records(path: Path) -> list[dict]:
 
 
 class EngineSaboteur(threading.Thread):
-    """Kills one engine after the first rollout is logged, then freezes the other once the
-    first one's restart shows in the records."""
+    """Kills one engine as the run begins its second weight push (`kill_at_push`, the run's
+    own step, wrapped), then freezes the other once the first one's restart shows in the
+    records."""
 
     def __init__(self, checkpoint: Path, metrics: Path):
         super().__init__(daemon=True)
         self.checkpoint, self.metrics = checkpoint, metrics
         self.done: list[str] = []
         self.frozen_pid: int | None = None
+        self.killed_port: int | None = None
+        self.pushes = 0
         self.stop = threading.Event()
+
+    def kill_at_push(self, push: Callable[[Run], int]) -> Callable[[Run], int]:
+        def push_to_a_dying_engine(run: Run) -> int:
+            self.pushes += 1
+            if self.pushes == 2:  # after the first rollout: the engine dies under the push
+                pids = engine_pids(self.checkpoint)
+                self.killed_port = min(pids)
+                os.kill(pids[self.killed_port], signal.SIGKILL)
+                self.done.append(f"killed {self.killed_port}")
+            return push(run)
+
+        return push_to_a_dying_engine
 
     def _wait_for(self, condition) -> bool:
         while not self.stop.is_set():
@@ -62,23 +80,17 @@ class EngineSaboteur(threading.Thread):
         return False
 
     def run(self) -> None:
-        if not self._wait_for(lambda logged: len(logged) >= 1):
-            return
-        pids = engine_pids(self.checkpoint)
-        killed_port = min(pids)
-        os.kill(pids[killed_port], signal.SIGKILL)
-        self.done.append(f"killed {killed_port}")
         if not self._wait_for(lambda logged: logged and logged[-1].get("engine/restarts") == 1):
             return
         other = next(
-            pid for port, pid in engine_pids(self.checkpoint).items() if port != killed_port
+            pid for port, pid in engine_pids(self.checkpoint).items() if port != self.killed_port
         )
         self.frozen_pid = other
         os.kill(other, signal.SIGSTOP)
         self.done.append("froze the other")
 
 
-def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
+def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path, monkeypatch):
     checkpoint, data = tiny_run_assets(tmp_path)
     out = tmp_path / "run"
     config = load_config([
@@ -89,8 +101,10 @@ def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
         "--rollout-router", "builtin", "--num-rollout", "4",
         "--rollout-health-check-interval-s", "1", "--rollout-health-check-timeout-s", "5",
         "--output-dir", str(out), "--console", "plain", "--lr", "1e-3",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
     ])  # fmt: skip
     saboteur = EngineSaboteur(checkpoint, out / "metrics.jsonl")
+    monkeypatch.setattr(Run, "_push_weights", saboteur.kill_at_push(Run._push_weights))
     saboteur.start()
     try:
         train(config)
@@ -106,4 +120,5 @@ def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path):
     assert len(saboteur.done) == 2, saboteur.done
     assert logged[-1]["engine/restarts"] == 2
     assert logged[-1]["engine/seconds_lost"] > 0
+    assert logged[-1]["train/restarts"] == 0  # the dead engine's push did not cost the trainers
     assert not engine_pids(checkpoint)  # the run stopped every engine it (re)started

@@ -396,9 +396,17 @@ class Run:
             return None
         return TrainRestarts(limit, resume_at=self.start_rollout_id)
 
-    def _on_trainers(self, what: str, call: Callable[[RayTrainGroup], T]) -> T:
+    def _on_trainers(
+        self,
+        what: str,
+        call: Callable[[RayTrainGroup], T],
+        *,
+        engine_lost: Callable[[], bool] | None = None,
+    ) -> T:
         """`call(self.trainers)`; when a train rank dies or hangs in it, the group starts again
-        where it was (`_restart_trainers`) and the call goes again."""
+        where it was (`_restart_trainers`) and the call goes again. `engine_lost`: whether an
+        engine died under the call; a failure with every rank alive is then the engine's, and is
+        raised for the engine's restart (the group stays: its ranks agreed on the failure)."""
         failed = False
         while True:
             try:
@@ -408,6 +416,8 @@ class Run:
                 return call(self.trainers)
             except TrainRankError as err:
                 if self._restarts is None:
+                    raise
+                if not err.rank_lost and engine_lost is not None and engine_lost():
                     raise
                 self._restarts.count(err)  # past --max-train-restarts: raises, naming err
                 failed = True
@@ -712,7 +722,19 @@ class Run:
         return {"time/update_weights_s": time.perf_counter() - start}
 
     def _push_weights(self) -> int:
-        return self._on_trainers("update_weights", lambda group: group.update_weights())
+        return self._on_trainers(
+            "update_weights", lambda group: group.update_weights(),
+            engine_lost=self._any_engine_lost if self.fault_tolerant else None,
+        )  # fmt: skip
+
+    def _any_engine_lost(self) -> bool:
+        """Whether an engine was lost (restarted meanwhile, or an external one gone for good)."""
+        if self._recover_engines():
+            return True
+        lost = self._from_manager(
+            self.rollout_manager.engines_lost_for_good.remote(), "engines_lost_for_good"
+        )
+        return any(url in lost for url in self.engine_urls)
 
     def update_due(self, rollout_id: int) -> bool:
         """Whether the weights go to the engines after rollout `rollout_id`: every

@@ -34,7 +34,13 @@ _FAILURE_GRACE_S = 5.0
 
 
 class TrainRankError(RuntimeError):
-    """A train rank's call failed or its process died: which rank, where, and why."""
+    """A train rank's call failed or its process died: which rank, where, and why.
+    `rank_lost`: a rank died or hung (the group is broken); False where every rank is alive and
+    one raised (in a weight push, possibly for an engine that died under it)."""
+
+    def __init__(self, message: str, *, rank_lost: bool = True) -> None:
+        super().__init__(message)
+        self.rank_lost = rank_lost
 
 
 @ray.remote(num_cpus=0)
@@ -172,7 +178,8 @@ class RayTrainGroup:
     def _rank_error(
         self, rank: int, what: str, err: BaseException, *, silent: list[int]
     ) -> TrainRankError:
-        if isinstance(err, ray.exceptions.RayActorError):
+        died = isinstance(err, ray.exceptions.RayActorError)
+        if died:
             how, cause = "died", str(err).strip().splitlines()[0]
         else:
             how, cause = "failed", describe(err)  # the rank's own exception, unwrapped
@@ -182,7 +189,7 @@ class RayTrainGroup:
         )
         if silent:
             text += "; no answer from " + ", ".join(f"rank {r} ({self.places[r]})" for r in silent)
-        return TrainRankError(text)
+        return TrainRankError(text, rank_lost=died or bool(silent))
 
     def init(
         self,
