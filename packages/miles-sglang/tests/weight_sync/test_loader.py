@@ -131,3 +131,23 @@ def test_a_finite_update_whose_sum_overflows_loads(engine):
     big = torch.full_like(engine.model.norm.weight, 60000.0, dtype=torch.float16)
     load_named_tensors(engine, [("model.norm.weight", big)])
     assert bool((engine.model.norm.weight == 60000.0).all())
+
+
+def test_a_large_update_copies_on_several_threads_into_transposed_weights_exactly():
+    """Above the parallel threshold the copies run on a thread pool; weights the engine keeps
+    transposed (column-major) still end equal to what was sent."""
+    from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
+
+    torch.manual_seed(0)
+    engine = torch.nn.Sequential(*[torch.nn.Linear(512, 1024) for _ in range(6)])  # 12.6 MB
+    assert transpose_linear_weights(engine, torch.device("cpu")) == 6
+    sent = {name: torch.randn_like(t) for name, t in engine.state_dict().items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert load_named_tensors(engine, sent.items()) == len(sent)
+    finally:
+        torch.set_num_threads(threads)
+    for name, tensor in engine.state_dict().items():
+        assert torch.equal(tensor, sent[name]), name
+    assert engine[0].weight.stride() == (1, 1024)  # the layout stays

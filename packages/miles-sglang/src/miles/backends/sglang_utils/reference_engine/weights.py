@@ -23,6 +23,7 @@ from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
 from miles.backends.sglang_utils.weight_sync import (
     FLATTENED_BUCKET,
+    ReceiveBuffer,
     WeightUpdateError,
     create_weight_update_group,
     deserialize_flattened_bucket,
@@ -57,6 +58,7 @@ class WeightManager:
         self.device = device
         self.rename = rename
         self.groups: dict[str, object] = {}
+        self._received = ReceiveBuffer()  # flattened buckets, one at a time
         self.released: set[str] = set()
         self._offload_file: Path | None = None
         self._group_lock = threading.Lock()
@@ -176,7 +178,9 @@ class WeightManager:
                 f"no weight update group {group_name!r}; call /init_weights_update_group first"
             )
         if load_format == FLATTENED_BUCKET:
-            named = receive_flattened(group, names, dtypes, shapes, self.device)
+            named = receive_flattened(
+                group, names, dtypes, shapes, self.device, buffer=self._received
+            )
         else:
             named = receive_tensors(group, names, dtypes, shapes, self.device)
         return self._load(named, weight_version)
@@ -189,6 +193,7 @@ class WeightManager:
         return f"destroyed {group_name}"
 
     def release(self, tags: list[str]) -> str:
+        self._received.release()
         for tag in tags:
             if tag == "weights" and "weights" not in self.released:
                 self._offload_weights()

@@ -27,6 +27,7 @@ from miles.backends.sglang_utils.weight_sync.buckets import (
 from miles.backends.sglang_utils.weight_sync.distributed_transport import (
     DISTRIBUTED_LOAD_FORMATS,
     FLATTENED_BUCKET,
+    ReceiveBuffer,
     WeightUpdateGroup,
     broadcast_tensors,
     create_weight_update_group,
@@ -66,6 +67,7 @@ __all__ = [
     "FLATTENED_BUCKET",
     "DistributedWeightSender",
     "FlattenedBucket",
+    "ReceiveBuffer",
     "TensorMeta",
     "TensorWeightSender",
     "UpdateLoraAdapter",

@@ -184,15 +184,38 @@ DISTRIBUTED_LOAD_FORMATS = "update_weights_from_distributed_load_formats"
 `FLATTENED_BUCKET`). SGLang does not list them, whatever its release reads."""
 
 
+class ReceiveBuffer:
+    """An engine's memory for flattened buckets: grown to the largest bucket received, then
+    reused by every update (a fresh allocation per bucket costs the kernel zero-filling each
+    page on first touch). The received views are only valid until the next receive."""
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(device):
+            self._buffer = None  # the old one goes before the new one is allocated
+            buffer = self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buffer[:nbytes].view(dtype)
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 def receive_flattened(
     group: WeightUpdateGroup,
     names: Sequence[str],
     dtypes: Sequence[str | torch.dtype],
     shapes: Sequence[Sequence[int]],
     device: torch.device | str,
+    *,
+    buffer: ReceiveBuffer | None = None,
 ) -> NamedTensors:
     """Receiving side of a `FLATTENED_BUCKET` update (one dtype, as senders send it): one
-    broadcast into one buffer, then a view per tensor, in the order of `names`."""
+    broadcast into one buffer (`buffer`'s, reused, else a new one), then a view per tensor, in
+    the order of `names`."""
     _check_lengths(names, dtypes, shapes)
     kind = flattened_dtype(dtypes)
     metadata, offset = [], 0
@@ -200,7 +223,10 @@ def receive_flattened(
         numel = int(torch.Size(shape).numel())
         metadata.append(TensorMeta(name, kind, tuple(shape), offset, numel))
         offset += numel
-    flat = torch.empty(offset, dtype=dtype_from_name(kind), device=device)
+    if buffer is not None:
+        flat = buffer.take(offset, dtype_from_name(kind), device)
+    else:
+        flat = torch.empty(offset, dtype=dtype_from_name(kind), device=device)
     group.broadcast(flat, src=0)
     return unflatten_bucket(FlattenedBucket(flat={kind: flat}, metadata=metadata))
 

@@ -7,12 +7,13 @@ cache is flushed with the last bucket only (as slime does), once the weights are
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,24 +21,23 @@ from torch import Tensor
 
 from miles.backends.sglang_utils.weight_sync.buckets import (
     FlattenedBucket,
-    NamedTensors,
     _validate,
     dtype_name,
-    flatten_bucket,
-    iter_buckets_with_last,
+    unflatten_bucket,
 )
 from miles.backends.sglang_utils.weight_sync.distributed_transport import (
     FLATTENED_BUCKET,
     WeightUpdateGroup,
     create_weight_update_group,
 )
+from miles.backends.sglang_utils.weight_sync.staging import StagingBuffers, pack_buckets
 from miles.backends.sglang_utils.weight_sync.tensor_transport import (
     serialize_flattened_bucket,
     serialize_named_tensors,
-    share_tensor,
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often a wait on engines re-checks for a failure, and how often it logs that it is waiting.
 _POLL_S = 0.05
@@ -99,39 +99,38 @@ class TensorWeightSender:
             )
         _validate(max_bytes, dtype)
         self._clients = _check_clients(clients)
-        self._max_bytes, self._dtype, self._load_format = max_bytes, dtype, load_format
+        self._dtype, self._load_format = dtype, load_format
+        # Shared memory the engines map by name: allocated at the first send, kept until close().
+        self._staging = StagingBuffers(max_bytes, shared=True)
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], *, weight_version: str) -> int:
-        """Send every tensor, bucket by bucket, to every engine; return the number of buckets."""
-        start, count, nbytes = time.monotonic(), 0, 0
-        buckets = iter_buckets_with_last(
-            named_tensors, max_bytes=self._max_bytes, dtype=self._dtype
-        )
-        for bucket, is_last in buckets:
-            nbytes += _nbytes(bucket)
-            self._send_bucket(bucket, is_last=is_last, weight_version=weight_version)
-            count += 1
-            del bucket  # before the next bucket is gathered: one bucket in memory at a time
-        _check_sent(count)
-        _log_sent(count, nbytes, len(self._clients), time.monotonic() - start, weight_version)
-        return count
+        """Send every tensor, bucket by bucket, to every engine; return the number of buckets.
+        Each bucket is packed while the engines load the one before (`_pipelined`)."""
 
-    def _send_bucket(self, bucket: NamedTensors, *, is_last: bool, weight_version: str) -> None:
-        if self._load_format == "flattened_bucket":
-            shared: FlattenedBucket | NamedTensors = flatten_bucket(bucket)
-            serialize: Callable[[Any], str] = serialize_flattened_bucket
-        else:
-            # Share once, serialize per engine: a payload is single-use, the memory is not.
-            shared = [(name, share_tensor(tensor)) for name, tensor in bucket]
-            serialize = serialize_named_tensors
-        calls = [
-            _start(_call, index, client, "update_weights_from_tensor",
-                   serialized_named_tensors=[serialize(shared)], load_format=self._load_format,
-                   flush_cache=is_last, weight_version=weight_version)
-            for index, client in enumerate(self._clients)
-        ]  # fmt: skip
-        # `shared` stays referenced until every engine has answered, i.e. has loaded the bucket.
-        _wait_all(calls, "update_weights_from_tensor")
+        def start_bucket(bucket: FlattenedBucket, is_last: bool) -> list[Future]:
+            if self._load_format == "flattened_bucket":
+                payload: Callable[[], str] = lambda: serialize_flattened_bucket(bucket)  # noqa: E731
+            else:  # SGLang's list of named tensors: views of the staging buffer, by handle
+                named = unflatten_bucket(bucket)
+                payload = lambda: serialize_named_tensors(named)  # noqa: E731
+            return [
+                _start(_call, index, client, "update_weights_from_tensor",
+                       serialized_named_tensors=[payload()], load_format=self._load_format,
+                       flush_cache=is_last, weight_version=weight_version)
+                for index, client in enumerate(self._clients)
+            ]  # fmt: skip
+
+        def finish_bucket(calls: list[Future]) -> None:
+            _wait_all(calls, "update_weights_from_tensor")
+
+        return _pipelined(
+            pack_buckets(named_tensors, self._staging, dtype=self._dtype),
+            start_bucket, finish_bucket, engines=len(self._clients), weight_version=weight_version,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Free the staging buffers (their segments go once the engines dropped them too)."""
+        self._staging.release()
 
 
 class DistributedWeightSender:
@@ -168,7 +167,8 @@ class DistributedWeightSender:
         self._clients = _check_clients(clients)
         self._master_address, self._master_port = master_address, master_port
         self._group_name, self._backend, self._timeout_s = group_name, backend, timeout_s
-        self._max_bytes, self._dtype, self._load_format = max_bytes, dtype, load_format
+        self._dtype, self._load_format = dtype, load_format
+        self._staging = StagingBuffers(max_bytes, shared=False)  # kept from send to send
         self._group: WeightUpdateGroup | None = None
         self._out_of_step = False  # a send failed midway: the engines wait on other collectives
 
@@ -222,44 +222,45 @@ class DistributedWeightSender:
             raise RuntimeError(
                 f"an earlier send on {self._group_name!r} failed midway; call close() and connect()"
             )
-        start, count, nbytes = time.monotonic(), 0, 0
-        buckets = iter_buckets_with_last(
-            named_tensors, max_bytes=self._max_bytes, dtype=self._dtype
-        )
-        for bucket, is_last in buckets:
-            nbytes += _nbytes(bucket)
-            self._out_of_step = True  # until this bucket is through on every rank
-            self._send_bucket(self._group, bucket, is_last=is_last, weight_version=weight_version)
-            self._out_of_step = False
-            count += 1
-            del bucket  # before the next bucket is gathered: one bucket in memory at a time
-        _check_sent(count)
-        _log_sent(count, nbytes, len(self._clients), time.monotonic() - start, weight_version)
-        return count
+        group = self._group
 
-    def _send_bucket(
-        self, group: WeightUpdateGroup, bucket: NamedTensors, *, is_last: bool, weight_version: str
-    ) -> None:
-        if self._load_format != FLATTENED_BUCKET:
-            tensors = [tensor.contiguous() for _, tensor in bucket]
-            metadata = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in bucket]
-            self._broadcast(group, metadata, tensors, flush=is_last, weight_version=weight_version)
-            return
-        flattened = flatten_bucket(bucket)  # one flat tensor per dtype, in order of appearance
-        for index, (kind, flat) in enumerate(flattened.flat.items()):
-            metadata = [
-                (m.name, kind, list(m.shape)) for m in flattened.metadata if m.dtype == kind
-            ]
-            last = is_last and index == len(flattened.flat) - 1
-            self._broadcast(group, metadata, [flat], flush=last, weight_version=weight_version,
-                            load_format=FLATTENED_BUCKET)  # fmt: skip
+        def start_bucket(bucket: FlattenedBucket, is_last: bool) -> _Broadcast:
+            self._out_of_step = True  # until this bucket is through on every rank
+            if self._load_format != FLATTENED_BUCKET:
+                named = unflatten_bucket(bucket)
+                metadata = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in named]
+                return self._broadcast(group, metadata, [t for _, t in named], flush=is_last,
+                                       weight_version=weight_version)  # fmt: skip
+            # One call and one broadcast per dtype, in order of appearance; all but the last
+            # are waited for here, so an engine never has two of them to order.
+            regions = list(bucket.flat.items())
+            for index, (kind, flat) in enumerate(regions):
+                metadata = [
+                    (m.name, kind, list(m.shape)) for m in bucket.metadata if m.dtype == kind
+                ]
+                last = index == len(regions) - 1
+                sent = self._broadcast(group, metadata, [flat], flush=is_last and last,
+                                       weight_version=weight_version, load_format=FLATTENED_BUCKET)  # fmt: skip
+                if last:
+                    return sent
+                sent.wait()
+            raise AssertionError("a packed bucket has at least one region")
+
+        def finish_bucket(sent: _Broadcast) -> None:
+            sent.wait()
+            self._out_of_step = False
+
+        return _pipelined(
+            pack_buckets(named_tensors, self._staging, dtype=self._dtype),
+            start_bucket, finish_bucket, engines=len(self._clients), weight_version=weight_version,
+        )  # fmt: skip
 
     def _broadcast(
         self, group: WeightUpdateGroup, metadata: list[tuple[str, str, list[int]]],
         tensors: list[Tensor], *, flush: bool, weight_version: str, load_format: str | None = None,
-    ) -> None:  # fmt: skip
-        """One update call per engine for the tensors `metadata` names (name, dtype, shape),
-        which travel as `tensors`: themselves, or one flat tensor with `load_format`."""
+    ) -> _Broadcast:  # fmt: skip
+        """Start one update call per engine for the tensors `metadata` names (name, dtype,
+        shape), which travel as `tensors`: themselves, or one flat tensor with `load_format`."""
         extra = {"load_format": load_format} if load_format is not None else {}
         # The engines' handlers allocate and then receive; start them before broadcasting.
         posts = _start_all(
@@ -270,14 +271,16 @@ class DistributedWeightSender:
         )  # fmt: skip
         # Broadcasts are issued from this thread (NCCL orders them after this thread's stream).
         works = [group.broadcast_async(tensor, src=0) for tensor in tensors]
-        _wait_fail_fast(
+        return _Broadcast(
             posts, works, f"{len(self._clients)} engines to receive {len(metadata)} tensors"
         )
 
     def close(self) -> None:
-        """Destroy the group on every engine and here (idempotent)."""
+        """Destroy the group on every engine and here, and free the staging buffers
+        (idempotent)."""
         group, self._group = self._group, None
         self._out_of_step = False
+        self._staging.release()
         if group is None:
             return
         calls = _start_all(
@@ -386,8 +389,47 @@ def _wait_fail_fast(futures: list[Future], works: list[dist.Work], what: str) ->
             )  # fmt: skip
 
 
-def _nbytes(bucket: NamedTensors) -> int:
-    return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+class _Broadcast:
+    """One bucket's engine calls and broadcasts, in flight."""
+
+    def __init__(self, posts: list[Future], works: list[dist.Work], what: str) -> None:
+        self.posts, self.works, self.what = posts, works, what
+
+    def wait(self) -> None:
+        _wait_fail_fast(self.posts, self.works, self.what)
+
+
+def _pipelined(
+    buckets: Iterator[tuple[FlattenedBucket, bool]],
+    start: Callable[[FlattenedBucket, bool], T],
+    finish: Callable[[T], None],
+    *,
+    engines: int,
+    weight_version: str,
+) -> int:
+    """Send every bucket: `start` one, pack the next (the iterator's work, into the other
+    staging buffer) while the engines receive it, then `finish` it before starting the next, so
+    each engine handles one bucket at a time, in order. Returns the number of buckets."""
+    began, count, nbytes = time.monotonic(), 0, 0
+    in_flight: T | None = None
+    try:
+        for bucket, is_last in buckets:  # packing happens in here
+            if in_flight is not None:
+                sent, in_flight = in_flight, None
+                finish(sent)
+            in_flight = start(bucket, is_last)
+            count += 1
+            nbytes += sum(flat.numel() * flat.element_size() for flat in bucket.flat.values())
+        if in_flight is not None:
+            sent, in_flight = in_flight, None
+            finish(sent)
+    finally:
+        if in_flight is not None:  # packing failed: the engines still read the other buffer
+            with contextlib.suppress(Exception):
+                finish(in_flight)
+    _check_sent(count)
+    _log_sent(count, nbytes, engines, time.monotonic() - began, weight_version)
+    return count
 
 
 def _check_sent(buckets: int) -> None:

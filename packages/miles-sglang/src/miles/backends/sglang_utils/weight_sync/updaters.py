@@ -180,7 +180,7 @@ class WeightUpdater:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the transport holds (nothing for the colocated one)."""
+        """Release what the transport holds (a group, staging buffers)."""
 
     def shutdown(self) -> None:
         """Close the transport and the engine clients: the updater is done for good."""
@@ -214,6 +214,10 @@ class UpdateWeightFromTensor(WeightUpdater):
     def _send(self, tensors: Iterator, weight_version: str) -> None:
         assert self._sender is not None, "only ranks with engine clients send"
         self._sender.send(tensors, weight_version=weight_version)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()  # its staging buffers; a next send allocates them again
 
 
 class UpdateWeightFromDistributed(WeightUpdater):
