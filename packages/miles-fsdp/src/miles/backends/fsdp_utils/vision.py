@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.backends.sglang_utils.image_data import decode_image
+from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 
 # Processed images kept per rank: a rollout's images are read by the old-policy, reference and
@@ -27,11 +28,6 @@ from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 _PROCESSED_IMAGES = 128
 RESPONSE_IMAGE_STAND_IN = 0
 """The id an image token sampled in a response enters the train forward as (see `of`)."""
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether a Hugging Face config is a vision-language model's (it has a vision tower)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 class VisionInputs:
