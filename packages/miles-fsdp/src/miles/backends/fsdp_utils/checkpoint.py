@@ -33,8 +33,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from miles.backends.fsdp_utils.lora import has_adapters, merged_state_dict
 from miles.backends.fsdp_utils.param_names import hf_parameter_name
-from miles.backends.fsdp_utils.vision import checkpoint_names
-from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
+from miles.backends.sglang_utils.vlm_checkpoint import checkpoint_names, is_vision_language
 from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
     POINTER_FILE,

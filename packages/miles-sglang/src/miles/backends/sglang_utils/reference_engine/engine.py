@@ -22,7 +22,6 @@ from transformers import (
     AutoTokenizer,
 )
 
-from miles.backends.sglang_utils.reference_engine.checkpoint_names import checkpoint_renamer
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError, QueueFullError
 from miles.backends.sglang_utils.reference_engine.images import load_image
@@ -41,7 +40,7 @@ from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, VisionProcessor
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
-from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
+from miles.backends.sglang_utils.vlm_checkpoint import checkpoint_renamer, is_vision_language
 from miles.backends.sglang_utils.weight_sync import DISTRIBUTED_LOAD_FORMATS, FLATTENED_BUCKET
 from miles.backends.training_utils.infra.device import get_torch_device
 
