@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from miles.backends.sglang_utils.image_data import data_url, image_bytes, open_image
+from miles.backends.sglang_utils.image_data import data_url, decode_image, image_bytes, open_image
 
 MEDIA_TYPES = ("image",)
 """The media `--multimodal-keys` may map to a column (upstream's spelling also knows "video",
@@ -66,6 +66,14 @@ def row_images(where: str, value: Any, data_dir: Path) -> list[str]:
             raise ValueError(f"{label}: {err}; replace the image or remove the row") from None
         images.append(data_url(raw, mime=mime))
     return images
+
+
+def processor_prompt_ids(processor: Any, text: str, images: list[str]) -> list[int]:
+    """The token ids of a rendered prompt `text` with its `images` (`data:` URLs, in the order
+    the text places them), as the model's processor makes them: each image's placeholder
+    expanded to one token per merged patch."""
+    pixels = [decode_image(image) for image in images]
+    return list(processor(text=[text], images=pixels)["input_ids"][0])
 
 
 def _raw_image(label: str, item: Any, data_dir: Path) -> tuple[bytes, str | None]:
