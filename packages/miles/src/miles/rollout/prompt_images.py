@@ -20,7 +20,13 @@ from typing import Any
 
 from PIL import Image
 
-from miles.backends.sglang_utils.image_data import data_url, decode_image, image_bytes, open_image
+from miles.backends.sglang_utils.image_data import (
+    IMAGE_SUFFIXES,
+    data_url,
+    decode_image,
+    image_bytes,
+    open_image,
+)
 
 MEDIA_TYPES = ("image",)
 """The media `--multimodal-keys` may map to a column (upstream's spelling also knows "video",
@@ -117,9 +123,7 @@ def _raw_image(label: str, item: Any, data_dir: Path) -> tuple[bytes, str | None
 
 
 def _looks_like_path(item: str) -> bool:
-    return ("/" in item[:200] and "." in item[-6:]) or Path(item).suffix.lower() in (
-        ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp",
-    )  # fmt: skip
+    return ("/" in item[:200] and "." in item[-6:]) or Path(item).suffix.lower() in IMAGE_SUFFIXES
 
 
 def place_images(where: str, messages: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
