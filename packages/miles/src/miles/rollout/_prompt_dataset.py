@@ -20,6 +20,7 @@ from miles.rollout.prompt_images import (
     IMAGE_PART_TYPES,
     check_multimodal_keys,
     place_images,
+    processor_prompt_ids,
     row_images,
 )
 from miles.rollout.rewards.sample_reward import SampleReward, check_row_reward
@@ -527,13 +528,10 @@ def _is_message(value: Any) -> bool:
 
 def _image_prompt_ids(where: str, processor: Any, prompt: str, images: list[str]) -> list[int]:
     """The token ids of a prompt with images, as the model's processor makes them."""
-    from miles.backends.sglang_utils.image_data import decode_image
-
     try:
-        encoded = processor(text=[prompt], images=[decode_image(i) for i in images])
+        return processor_prompt_ids(processor, prompt, images)
     except (ValueError, TypeError) as err:  # e.g. placeholders and images disagree
         raise ValueError(f"{where}: the model's processor refuses the row: {err}") from None
-    return list(encoded["input_ids"][0])
 
 
 def _describe(value: Any) -> str:

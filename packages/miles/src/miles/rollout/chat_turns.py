@@ -72,10 +72,9 @@ class ChatTurns:
                 "the conversation has images but no processor reads them: pass --multimodal-keys "
                 "with a vision-language checkpoint"
             )
-        from miles.backends.sglang_utils.image_data import decode_image
+        from miles.rollout.prompt_images import processor_prompt_ids
 
-        pixels = [decode_image(image) for image in images]
-        return list(self.processor(text=[text], images=pixels)["input_ids"][0])
+        return processor_prompt_ids(self.processor, text, images)
 
     def after(self, completion_ids: list[int], new_messages: list[dict[str, Any]]) -> list[int]:
         """The ids to append after a completion: the rest of the template's turn end (all of it

@@ -20,7 +20,13 @@ from typing import Any
 
 from PIL import Image
 
-from miles.backends.sglang_utils.image_data import data_url, image_bytes, open_image
+from miles.backends.sglang_utils.image_data import (
+    IMAGE_SUFFIXES,
+    data_url,
+    decode_image,
+    image_bytes,
+    open_image,
+)
 
 MEDIA_TYPES = ("image",)
 """The media `--multimodal-keys` may map to a column (upstream's spelling also knows "video",
@@ -68,6 +74,14 @@ def row_images(where: str, value: Any, data_dir: Path) -> list[str]:
     return images
 
 
+def processor_prompt_ids(processor: Any, text: str, images: list[str]) -> list[int]:
+    """The token ids of a rendered prompt `text` with its `images` (`data:` URLs, in the order
+    the text places them), as the model's processor makes them: each image's placeholder
+    expanded to one token per merged patch."""
+    pixels = [decode_image(image) for image in images]
+    return list(processor(text=[text], images=pixels)["input_ids"][0])
+
+
 def _raw_image(label: str, item: Any, data_dir: Path) -> tuple[bytes, str | None]:
     """The file bytes of one image value, and its type where the value says it."""
     if isinstance(item, dict) and ("bytes" in item or "path" in item):
@@ -109,9 +123,7 @@ def _raw_image(label: str, item: Any, data_dir: Path) -> tuple[bytes, str | None
 
 
 def _looks_like_path(item: str) -> bool:
-    return ("/" in item[:200] and "." in item[-6:]) or Path(item).suffix.lower() in (
-        ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp",
-    )  # fmt: skip
+    return ("/" in item[:200] and "." in item[-6:]) or Path(item).suffix.lower() in IMAGE_SUFFIXES
 
 
 def place_images(where: str, messages: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:

@@ -26,6 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "meta.json"
+"""Each backend's record of an `iter_*` directory (its rollout id, counters, extra state): the
+file a save writes last, and the one a checkpoint without a manifest is checked by."""
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 _CHUNK_BYTES = 8 * 2**20
@@ -161,8 +164,21 @@ def checkpoint_problems(save_dir: str | os.PathLike, rollout_id: int) -> list[st
     return problems
 
 
+def read_meta(directory: str | os.PathLike, fix: str) -> dict:
+    """The checkpoint `directory`'s META_FILE; ValueError naming the file when it is not valid
+    JSON (an empty or cut-off file), ending with `fix`, what the reader can do about it."""
+    directory = Path(directory)
+    try:
+        return json.loads((directory / META_FILE).read_text())
+    except ValueError as err:  # name the file, not only the JSON position
+        raise ValueError(
+            f"checkpoint {directory} is damaged: {directory / META_FILE} is not valid JSON "
+            f"({err}); {fix}"
+        ) from None
+
+
 def _meta_problems(directory: Path) -> list[str]:
-    meta = directory / "meta.json"
+    meta = directory / META_FILE
     if not meta.is_file():
         return [f"{meta} is missing (the save did not finish)"]
     try:

@@ -33,20 +33,21 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from miles.backends.fsdp_utils.lora import has_adapters, merged_state_dict
 from miles.backends.fsdp_utils.param_names import hf_parameter_name
-from miles.backends.fsdp_utils.vision import checkpoint_names, is_vision_language
+from miles.backends.sglang_utils.vlm_checkpoint import checkpoint_names, is_vision_language
 from miles.backends.training_utils.infra.device import get_device_info
 from miles.utils.checkpoint_layout import (
+    META_FILE,
     POINTER_FILE,
     atomic_write_text,
     checkpoint_problems,
     commit_checkpoint,
     iteration_dir,
     latest_rollout_id,
+    read_meta,
 )
 
 logger = logging.getLogger(__name__)
 
-META_FILE = "meta.json"
 VALUE_MODEL_KEY = "value_model"
 """meta.json's `extra` entry of a critic's checkpoint: a one-label token-classification model."""
 LORA_CONFIG_KEY = "lora_config"
@@ -191,13 +192,7 @@ def load_checkpoint(
 
 
 def _read_meta(path: Path) -> dict:
-    try:
-        return json.loads((path / META_FILE).read_text())
-    except ValueError as err:  # an empty or cut-off file: name it, not only the JSON position
-        raise ValueError(
-            f"checkpoint {path} is damaged: {path / META_FILE} is not valid JSON ({err}); load "
-            f"an earlier iteration, or point {POINTER_FILE} at a complete one"
-        ) from None
+    return read_meta(path, f"load an earlier iteration, or point {POINTER_FILE} at a complete one")
 
 
 def _load_model_and_optimizer(

@@ -51,7 +51,8 @@ from miles.backends.fsdp_utils.prompt_sharing import (
 )
 from miles.backends.fsdp_utils.routing import PackedRouting, Phase, real_tokens
 from miles.backends.fsdp_utils.update_weight_utils import iter_full_tensors
-from miles.backends.fsdp_utils.vision import VisionInputs, checkpoint_names, is_vision_language
+from miles.backends.fsdp_utils.vision import VisionInputs
+from miles.backends.sglang_utils.vlm_checkpoint import checkpoint_names, is_vision_language
 from miles.backends.sglang_utils.weight_sync.expert_layout import split_fused_experts
 from miles.backends.training_utils.batching.packing import PackedBatch
 from miles.backends.training_utils.batching.rollout_data import RolloutBatch

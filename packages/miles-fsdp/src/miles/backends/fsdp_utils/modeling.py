@@ -26,7 +26,8 @@ from transformers import (
 from miles.backends.fsdp_utils.gdn_packing import boundary_kwargs, enable_gdn_packing
 from miles.backends.fsdp_utils.lora import add_adapters
 from miles.backends.fsdp_utils.precision import PrecisionPolicy
-from miles.backends.fsdp_utils.vision import idle_tower_term, is_vision_language, vision_tower
+from miles.backends.fsdp_utils.vision import idle_tower_term, vision_tower
+from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
 from miles.backends.training_utils.batching.packing import PackedBatch
 from miles.config.lora_args import LoraArgs
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
 from miles.backends.training_utils.batching.packing import PAD_TOKEN_ID, PackedBatch
 
 
@@ -148,7 +149,7 @@ def prompt_sharing_unsupported(
     packs_one_row: bool,
 ) -> str | None:  # fmt: skip
     """Why this model cannot forward a shared prompt once (None: it can)."""
-    if getattr(model.config, "vision_config", None) is not None:
+    if is_vision_language(model.config):
         return "a vision-language model's prompts carry images, which the shared forward omits"
     if attn_implementation not in ("sdpa", "eager"):
         return f"--attn-implementation {attn_implementation} (sdpa and eager take its mask)"

@@ -1,5 +1,5 @@
-"""Vision-language models on the FSDP backend: their images' pixel inputs, their frozen tower, and
-their parameters under the checkpoint's names.
+"""Vision-language models on the FSDP backend: their images' pixel inputs and their frozen tower
+(their parameters under the checkpoint's names: `sglang_utils.vlm_checkpoint.checkpoint_names`).
 
 (architecture.md: "Contracts / Data", images)
 
@@ -27,11 +27,6 @@ from miles.backends.training_utils.batching.rollout_data import RolloutBatch
 _PROCESSED_IMAGES = 128
 RESPONSE_IMAGE_STAND_IN = 0
 """The id an image token sampled in a response enters the train forward as (see `of`)."""
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether a Hugging Face config is a vision-language model's (it has a vision tower)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 class VisionInputs:
@@ -119,32 +114,3 @@ def vision_tower(model: nn.Module) -> nn.Module:
         f"{type(model).__name__} has no `visual` module: --freeze-vision-tower needs a "
         "Qwen-VL-style model with a vision tower"
     )
-
-
-def checkpoint_names(config: Any) -> dict[str, str]:
-    """In-memory parameter name -> the name the checkpoint on disk (and SGLang's loader) uses, for
-    a vision-language model's `config`; {} (names unchanged) for any other model.
-
-    transformers 5 renames some architectures' weights on load (Qwen2.5-VL's `visual.*` becomes
-    `model.visual.*`, `model.layers.*` becomes `model.language_model.layers.*`) and reverses it on
-    save; weight sync and export must speak the checkpoint's names. The reversal is transformers'
-    own, run on the names of a model built on the meta device (each tensor a distinct marker), so
-    every rank computes the same map without weights. A conversion that merges or splits tensors
-    is not a renaming, and is refused here."""
-    if not is_vision_language(config):
-        return {}
-    from transformers import AutoModelForImageTextToText
-    from transformers.core_model_loading import revert_weight_conversion
-
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config)
-    names = list(model.state_dict().keys())
-    markers = {name: torch.tensor([index]) for index, name in enumerate(names)}
-    reverted = revert_weight_conversion(model, markers)
-    if len(reverted) != len(names):
-        raise ValueError(
-            f"{type(model).__name__}: transformers' checkpoint conversion maps {len(names)} "
-            f"weights to {len(reverted)}; weight sync renames weights but cannot merge or split "
-            "them for this architecture"
-        )
-    return {names[int(marker)]: name for name, marker in reverted.items()}

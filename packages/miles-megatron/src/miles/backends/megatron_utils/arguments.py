@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
 from miles.config.trainer_args import TrainerArgs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -166,7 +167,7 @@ def _check_model_family(hf_config: Any) -> None:
             f"the Megatron backend does not train Mixture-of-Experts models ({model_type}, "
             f"{experts} experts); use --train-backend fsdp"
         )
-    if getattr(hf_config, "vision_config", None) is not None:
+    if is_vision_language(hf_config):
         raise ValueError(
             f"the Megatron backend does not train vision-language models ({model_type}); use "
             "--train-backend fsdp"

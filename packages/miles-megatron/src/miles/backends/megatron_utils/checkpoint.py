@@ -21,14 +21,15 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from miles.utils.checkpoint_layout import (
+    META_FILE,
     POINTER_FILE,
     atomic_write_text,
     commit_checkpoint,
     iteration_dir,
     latest_rollout_id,
+    read_meta,
 )
 
-META_FILE = "meta.json"
 # The distributed optimizer's layout in the checkpoint: each rank writes its own buckets, in
 # parallel (Megatron-LM's default). Megatron-core's fallback, fully_sharded_model_space, can no
 # longer be saved (it relies on flattened ranges), and fully_reshardable cannot be loaded into
@@ -121,13 +122,7 @@ def load(load_dir: str, model: Any, optimizer: Any, scheduler: Any) -> dict | No
             f"checkpoint {path} is incomplete (no {META_FILE}); point {POINTER_FILE} at a "
             "complete iteration"
         )
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except ValueError as err:  # an empty or cut-off file: name it, not only the JSON position
-        raise ValueError(
-            f"checkpoint {path} is damaged: {path / META_FILE} is not valid JSON ({err}); point "
-            f"{POINTER_FILE} at a complete iteration"
-        ) from None
+    meta = read_meta(path, f"point {POINTER_FILE} at a complete iteration")
     _initialize_optimizer_state(optimizer)
     model_state = model.module.sharded_state_dict()
     template = {

@@ -15,6 +15,9 @@ import mimetypes
 from PIL import Image, UnidentifiedImageError
 
 _DATA_URL = "data:"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+"""File endings that mark a string as an image file's path rather than its bytes (as SGLang reads
+`image_data`): a missing file with one is named as such."""
 
 
 def data_url(raw: bytes, *, mime: str | None = None) -> str:

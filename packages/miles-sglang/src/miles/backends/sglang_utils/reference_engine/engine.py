@@ -22,13 +22,12 @@ from transformers import (
     AutoTokenizer,
 )
 
-from miles.backends.sglang_utils.reference_engine.checkpoint_names import checkpoint_renamer
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError, QueueFullError
 from miles.backends.sglang_utils.reference_engine.images import load_image
 from miles.backends.sglang_utils.reference_engine.lora_layers import LoraAdapter
 from miles.backends.sglang_utils.reference_engine.lora_registry import LoraRegistry
-from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner, has_vision_tower
+from miles.backends.sglang_utils.reference_engine.model_runner import ModelRunner
 from miles.backends.sglang_utils.reference_engine.requests import (
     GenerateLimits,
     ParsedGenerate,
@@ -41,6 +40,7 @@ from miles.backends.sglang_utils.reference_engine.scheduler import Scheduler
 from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, VisionProcessor
 from miles.backends.sglang_utils.reference_engine.weights import WeightManager
 from miles.backends.sglang_utils.token_spelling import TokenSpelling
+from miles.backends.sglang_utils.vlm_checkpoint import checkpoint_renamer, is_vision_language
 from miles.backends.sglang_utils.weight_sync import DISTRIBUTED_LOAD_FORMATS, FLATTENED_BUCKET
 from miles.backends.training_utils.infra.device import get_torch_device
 
@@ -61,7 +61,7 @@ class ReferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         # A config with a vision tower (Qwen2.5-VL, Qwen3-VL) is served with its image inputs.
         checkpoint_config = AutoConfig.from_pretrained(config.model_path)
-        vision = has_vision_tower(checkpoint_config)
+        vision = is_vision_language(checkpoint_config)
         if vision and config.lora.enabled:
             # Its adapters would also name the vision tower's projections, which no test covers.
             raise ValueError(

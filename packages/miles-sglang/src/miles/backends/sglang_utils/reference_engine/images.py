@@ -15,13 +15,11 @@ import warnings
 
 from PIL import Image
 
-from miles.backends.sglang_utils.image_data import image_bytes, open_image
+from miles.backends.sglang_utils.image_data import IMAGE_SUFFIXES, image_bytes, open_image
 from miles.backends.sglang_utils.reference_engine.errors import InvalidRequestError
 
 # A string that opens with a URL scheme (`http://`, `s3://`, `file://`): a location, not bytes.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# SGLang reads a string with one of these endings as a file path; here a missing one is named so.
-_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 # Longer strings are never paths (Linux's PATH_MAX): skip the file-system look-up for base64.
 _MAX_PATH_CHARS = 4096
 _SOURCES = "a data: URL (data:image/png;base64,...), raw base64 or a local file path"
@@ -44,7 +42,7 @@ def load_image(value: str, param: str) -> Image.Image:
             raise InvalidRequestError(
                 f"{param}: cannot read the file {value!r}: {err.strerror or err}", param=param
             ) from None
-    if value.lower().endswith(_IMAGE_SUFFIXES):
+    if value.lower().endswith(IMAGE_SUFFIXES):
         raise InvalidRequestError(
             f"{param}: no file at {value!r} (a path is read on the engine's machine); send an "
             "existing path or the image's bytes as a data: URL or base64",

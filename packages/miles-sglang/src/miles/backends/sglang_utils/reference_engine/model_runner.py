@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PretrainedConfig
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from miles.backends.sglang_utils.reference_engine.attention import use_grouped_sdpa
@@ -28,6 +28,7 @@ from miles.backends.sglang_utils.reference_engine.mrope import MropePositions
 from miles.backends.sglang_utils.reference_engine.routed_experts import RoutedExpertsRecorder
 from miles.backends.sglang_utils.reference_engine.vision_inputs import PromptImages, batch_pixels
 from miles.backends.sglang_utils.reference_engine.weight_layout import transpose_linear_weights
+from miles.backends.sglang_utils.vlm_checkpoint import is_vision_language
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,11 +87,6 @@ def _of_distinct(
     return distinct
 
 
-def has_vision_tower(config: PretrainedConfig) -> bool:
-    """Whether a checkpoint's config describes a vision-language model (Qwen2.5-VL, Qwen3-VL)."""
-    return getattr(config, "vision_config", None) is not None
-
-
 def check_kv_only(model: torch.nn.Module) -> None:
     """Refuse a model whose layers keep a recurrent state (Gated DeltaNet in Qwen3.5 and
     Qwen3-Next, Mamba, ...): `BatchState` holds per-layer KV tensors only, and joining or dropping
@@ -131,7 +127,7 @@ class ModelRunner:
         self.decode_routed: Tensor | None = None
         """With a recorder: after a decode step, each row's (layers, top_k) experts of the token
         it read."""
-        self.mrope = MropePositions(self.model) if has_vision_tower(model.config) else None
+        self.mrope = MropePositions(self.model) if is_vision_language(model.config) else None
         """For a vision-language model: its prompts' 3-D rotary positions; None for text."""
         use_grouped_sdpa(self.model, device)
         # transformers 5 renamed the cache argument; accept either spelling.

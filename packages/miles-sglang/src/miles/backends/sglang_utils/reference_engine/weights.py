@@ -52,7 +52,7 @@ class WeightManager:
         rename: Callable[[str], str] | None = None,
     ) -> None:
         """`rename`: a checkpoint's parameter name -> the model's, for a model whose names
-        transformers changed on load (`checkpoint_names`); updates may use either."""
+        transformers changed on load (`vlm_checkpoint.checkpoint_renamer`); updates may use either."""
         self.scheduler = scheduler
         self.model = model
         self.device = device
