@@ -7,7 +7,9 @@ step per rollout and no reference model / KL. miles runs in-process on real Ray 
 rank, one reference engine, disaggregated); TRL runs afterwards in the same process on CPU
 (transformers `generate`, no vLLM). The script prints seconds per RL step of each (warm-up steps
 excluded), the ratio, miles's time split (with the engine's own loop: prefill, decode and
-sampling, from its `/get_server_info`) and both start-up times.
+sampling, from its `/get_server_info`) and both start-up times. It also prints each phase's
+matmul FLOPs against torch's sgemm rate measured in the same run (`compute_floor.py`: how far a
+step is from the machine's compute floor) and each process's peak resident memory.
 
 TRL is installed only for the benchmark (it is no dependency of the workspace):
 
@@ -36,13 +38,22 @@ What differs between the two, by design of each framework (not of this script):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compute_floor  # the sibling module that counts FLOPs and measures the machine
+from process_memory import miles_processes, peak_rss_mb_of
 
 
 def write_prompts(path: Path) -> list[dict[str, str]]:
@@ -98,6 +109,7 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
         driver_cpu_s = time.process_time() - cpu_before
         looped = time.perf_counter()
         loop_after = engine_loop_seconds(run.engine_urls)
+        peak_rss_mb = {label: peak_rss_mb_of(pids) for label, pids in miles_processes(run).items()}
     closed = time.perf_counter()
     ray.shutdown()
 
@@ -141,6 +153,7 @@ def run_miles(args: argparse.Namespace, checkpoint: Path, data: Path, out: Path)
         "driver_cpu_per_rollout_s": driver_cpu_s / num_rollout,
         "response_len_mean": statistics.fmean(series("rollout/response_len_mean")),
         "reward_mean": statistics.fmean(series("rollout/reward_mean")),
+        "peak_rss_mb": peak_rss_mb,
     }
 
 
@@ -246,6 +259,7 @@ def run_trl(args: argparse.Namespace, checkpoint: Path, rows: list[dict], out: P
             s - g for s, g in zip(measured, generation, strict=True)
         )
     lengths = [log["completions/mean_length"] for log in timer.logs if "completions/mean_length" in log]  # fmt: skip
+    longest = [log["completions/max_length"] for log in timer.logs if "completions/max_length" in log]  # fmt: skip
     rewards = [log["reward"] for log in timer.logs if "reward" in log]
     return {
         "version": trl.__version__,
@@ -255,7 +269,10 @@ def run_trl(args: argparse.Namespace, checkpoint: Path, rows: list[dict], out: P
         "startup_s": built - begin,
         "response_len_mean": statistics.fmean(lengths[args.warmup :]) if lengths else float("nan"),
         "reward_mean": statistics.fmean(rewards[args.warmup :]) if rewards else float("nan"),
+        "response_len_max": statistics.fmean(longest[args.warmup :]) if longest else float("nan"),
         "torch_threads": torch.get_num_threads(),
+        # This process: with miles run before it here, its driver's peak counts too.
+        "peak_rss_mb": {"this process": peak_rss_mb_of([os.getpid()])},
     }
 
 
@@ -287,9 +304,12 @@ def _time_trl_phases(trainer: Any) -> dict[str, list[float]]:
 # -- report --------------------------------------------------------------------------------------
 
 
-def report(args: argparse.Namespace, model_info: str, miles: dict | None, trl: dict | None) -> None:
+def report(
+    args: argparse.Namespace, workload: dict, machine: compute_floor.MachineRate,
+    miles: dict | None, trl: dict | None,
+) -> None:  # fmt: skip
     print()
-    print(f"workload: {model_info}; {args.prompts} prompts x {args.samples} samples, "
+    print(f"workload: {workload['model_info']}; {args.prompts} prompts x {args.samples} samples, "
           f"<= {args.response_len} response tokens, lr {args.lr}, 1 optimizer step per rollout; "
           f"{args.steps} measured steps after {args.warmup} warm-up")  # fmt: skip
     print(f"{'':34}{'median s/step':>14}{'mean':>9}{'min':>9}{'max':>9}{'resp len':>10}")
@@ -330,6 +350,22 @@ def report(args: argparse.Namespace, model_info: str, miles: dict | None, trl: d
               "the manager and rewards):")  # fmt: skip
         for key in ("prefill", "decode", "sampling", "steps"):
             print(f"  {key:36}{loop.get(key, 0.0):>8.3f}")
+    print(f"\nmachine: torch sgemm (fp32, 2048^2, best of 5) {machine.one_thread:.0f} GFLOP/s on "
+          f"1 thread, {machine.all_cores:.0f} on {machine.cores} cores, measured after the runs")  # fmt: skip
+    if machine.all_cores < machine.one_thread:
+        print("  (all cores slower than one: something else is running; the floor is loose)")
+    for name, result in (("miles", miles), ("TRL", trl)):
+        if result is not None:
+            compute = result["compute"]
+            print(compute_floor.format_floor(name, compute["phases"], compute["step"]))
+    if miles:
+        print(f"miles weight sync: {workload['param_bytes'] / 1e6:.1f} MB of parameters at "
+              f"{miles['weight_sync_gb_per_s']:.2f} GB/s")  # fmt: skip
+    print("\npeak resident memory (VmHWM, MB):")
+    for name, result in (("miles", miles), ("TRL", trl)):
+        if result is not None:
+            peaks = ", ".join(f"{k} {v:.0f}" for k, v in result["peak_rss_mb"].items())
+            print(f"  {name}: {peaks}")
     print("\nstart-up (one-off):")
     if miles:
         print(f"  miles: {miles['startup_s']:.1f} s (Ray + engine + train actor), initial weight "
@@ -369,8 +405,6 @@ def main() -> None:
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
 
-    from safetensors.torch import load_file
-
     from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -380,18 +414,90 @@ def main() -> None:
             intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
             num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,
         )  # fmt: skip
-        params = sum(v.numel() for v in load_file(str(checkpoint / "model.safetensors")).values())
-        model_info = (
-            f"tiny Qwen3 {args.num_layers} layers, hidden {args.hidden_size}, "
-            f"ffn {args.intermediate_size}, {params / 1e6:.2f} M params (fp32)"
-        )
         data = root / "prompts.jsonl"
         rows = write_prompts(data)
+        workload = describe_workload(args, checkpoint, rows)
         miles = None if args.skip_miles else run_miles(args, checkpoint, data, root / "miles")
         trl = None if args.skip_trl else run_trl(args, checkpoint, rows, root / "trl")
-    report(args, model_info, miles, trl)
+    # After the runs (their processes gone), so that its matrices count in no peak memory.
+    machine = compute_floor.measure_machine()
+    add_compute_floor(args, workload, machine, miles, trl)
+    report(args, workload, machine, miles, trl)
     if args.json:
-        args.json.write_text(json.dumps({"miles": miles, "trl": trl}, indent=2))
+        results = {"workload": workload, "machine": dataclasses.asdict(machine),
+                   "miles": miles, "trl": trl}  # fmt: skip
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def describe_workload(args: argparse.Namespace, checkpoint: Path, rows: list[dict]) -> dict:
+    """The model's size and shape and the prompts' mean length in tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    weights = load_file(str(checkpoint / "model.safetensors")).values()
+    params = sum(w.numel() for w in weights)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt_len = statistics.fmean(len(tokenizer(r["input"])["input_ids"]) for r in rows)
+    config = json.loads((checkpoint / "config.json").read_text())
+    return {
+        "model_info": f"tiny Qwen3 {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"ffn {args.intermediate_size}, {params / 1e6:.2f} M params (fp32)",
+        "params": params,
+        "param_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "shape": dataclasses.asdict(compute_floor.ModelShape.from_config(config)),
+        "prompt_len": prompt_len,
+    }
+
+
+def add_compute_floor(
+    args: argparse.Namespace, workload: dict, machine: compute_floor.MachineRate,
+    miles: dict | None, trl: dict | None,
+) -> None:  # fmt: skip
+    """Each result's `compute`: its phases' FLOPs and rates and the step against its floor, as
+    each framework runs the workload (miles: packed rows, a group's prompt prefilled once by the
+    engine and, with --share-prompt-forward, trained once; TRL: every row padded to the step's
+    longest response, every prompt its own), and miles's weight-sync rate."""
+    model = compute_floor.ModelShape(**workload["shape"])
+
+    def rollout(response_len: float) -> compute_floor.RolloutShape:
+        return compute_floor.RolloutShape(
+            prompts=args.prompts, samples=args.samples, prompt_len=workload["prompt_len"],
+            response_len=response_len,
+        )  # fmt: skip
+
+    if miles:
+        packed = rollout(miles["response_len_mean"])
+        share = "--no-share-prompt-forward" not in args.miles_flag
+        phases = {
+            "generation": (compute_floor.generation_flops(model, packed, share_prompt=True),
+                           miles["split_median_s"]["generate (driver view)"]),
+            "training": (compute_floor.training_flops(model, packed, share_prompt=share),
+                         miles["split_median_s"]["train (fwd/bwd + optim)"]),
+        }  # fmt: skip
+        miles["compute"] = _compute(phases, miles["step_s"]["median"], machine)
+        sync_s = miles["split_median_s"]["weight sync"]
+        miles["weight_sync_gb_per_s"] = workload["param_bytes"] / 1e9 / sync_s
+    if trl:
+        longest = trl["response_len_max"]  # TRL logs it; the limit where it did not
+        padded = rollout(args.response_len if math.isnan(longest) else longest)
+        split = trl["split_median_s"]
+        phases = {
+            "generation": (compute_floor.generation_flops(model, padded, share_prompt=False),
+                           split.get("generate + score (+ logprobs)", float("nan"))),
+            "training": (compute_floor.training_flops(model, padded, share_prompt=False),
+                         split.get("train (fwd/bwd + optim)", float("nan"))),
+        }  # fmt: skip
+        trl["compute"] = _compute(phases, trl["step_s"]["median"], machine)
+
+
+def _compute(phases: dict[str, tuple[float, float]], step_s: float, machine: Any) -> dict:
+    return {
+        "phases": {
+            name: compute_floor.phase_rate(flops, seconds, machine)
+            for name, (flops, seconds) in phases.items()
+        },
+        "step": compute_floor.step_floor(sum(f for f, _ in phases.values()), step_s, machine),
+    }
 
 
 if __name__ == "__main__":
