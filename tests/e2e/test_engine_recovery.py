@@ -2,7 +2,9 @@
 and the other frozen (SIGSTOP) mid-run; fault tolerance (on by default) restarts each, pushes it
 the current weights and puts it back, and the run ends with every rollout logged and both
 restarts counted. The push that met the dead engine is the engine's failure, not the trainers':
-with train-group restarts on (--save, --save-interval), the train group is not restarted."""
+with train-group restarts on (--save, --save-interval), the train group is not restarted for it;
+a train rank SIGKILLed while the weights go to the restarted engine is, once, and the restore
+goes again."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import ray
 
 from miles.config import load_config
 from miles.ray.run import Run
+from miles.ray.train_group import RayTrainGroup
 from miles.train import train
 from miles.utils.tracking import read_metrics
 from tests.e2e.assets import tiny_run_assets
@@ -58,6 +61,7 @@ class EngineSaboteur(threading.Thread):
         self.frozen_pid: int | None = None
         self.killed_port: int | None = None
         self.pushes = 0
+        self.rank_killed = False
         self.stop = threading.Event()
 
     def kill_at_push(self, push: Callable[[Run], int]) -> Callable[[Run], int]:
@@ -71,6 +75,17 @@ class EngineSaboteur(threading.Thread):
             return push(run)
 
         return push_to_a_dying_engine
+
+    def kill_a_rank_at_restore(self, restore: Callable[..., int]) -> Callable[..., int]:
+        def restore_with_a_dying_rank(group: RayTrainGroup, urls: list[str]) -> int:
+            if not self.rank_killed:  # the first restore: the engine killed under the push
+                self.rank_killed = True
+                where = ray.get(group.actors[0].where.remote())  # "pid P on node A"
+                os.kill(int(where.split()[1]), signal.SIGKILL)
+                self.done.append("killed train rank 0")
+            return restore(group, urls)
+
+        return restore_with_a_dying_rank
 
     def _wait_for(self, condition) -> bool:
         while not self.stop.is_set():
@@ -105,6 +120,10 @@ def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path, monkeypatch):
     ])  # fmt: skip
     saboteur = EngineSaboteur(checkpoint, out / "metrics.jsonl")
     monkeypatch.setattr(Run, "_push_weights", saboteur.kill_at_push(Run._push_weights))
+    monkeypatch.setattr(
+        RayTrainGroup, "restore_engines",
+        saboteur.kill_a_rank_at_restore(RayTrainGroup.restore_engines),
+    )  # fmt: skip
     saboteur.start()
     try:
         train(config)
@@ -117,8 +136,10 @@ def test_a_run_survives_a_killed_and_a_hung_engine(tmp_path, monkeypatch):
             ray.shutdown()
     logged = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in logged] == [0, 1, 2, 3]
-    assert len(saboteur.done) == 2, saboteur.done
+    assert len(saboteur.done) == 3, saboteur.done
     assert logged[-1]["engine/restarts"] == 2
     assert logged[-1]["engine/seconds_lost"] > 0
-    assert logged[-1]["train/restarts"] == 0  # the dead engine's push did not cost the trainers
+    # The dead engine's push did not cost the trainers a restart; the rank killed in the restore
+    # that followed did, once.
+    assert logged[-1]["train/restarts"] == 1
     assert not engine_pids(checkpoint)  # the run stopped every engine it (re)started

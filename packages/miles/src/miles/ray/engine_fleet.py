@@ -348,7 +348,9 @@ class EngineFleet:
         await self.supervisor.admit(urls)
 
     async def weight_versions(self) -> dict[str, str | None]:
-        """The weight version each engine in service reports (`/get_model_info`)."""
+        """The weight version each engine in service reports (`/get_model_info`). With fault
+        tolerance, an engine that does not answer is left out: it is lost, and its restart
+        pushes it the weights before it serves again."""
         serving = self.pool.serving() if self.pool is not None else list(self.engine_urls)
 
         async def version(url: str) -> str | None:
@@ -356,7 +358,17 @@ class EngineFleet:
                 found = (await client.get_model_info()).get("weight_version")
             return None if found is None else str(found)
 
-        return dict(zip(serving, await asyncio.gather(*map(version, serving)), strict=True))
+        answers = await asyncio.gather(*map(version, serving), return_exceptions=True)
+        versions = {}
+        for url, answer in zip(serving, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if self.supervisor is None or not isinstance(answer, Exception):
+                    raise answer
+                logger.warning("engine %s gave no weight version (%s); it is left to its restart",
+                               url, answer)  # fmt: skip
+                continue
+            versions[url] = answer
+        return versions
 
     def engines_lost_for_good(self) -> list[str]:
         """External engines lost during the run: the trainers push weights to the others."""

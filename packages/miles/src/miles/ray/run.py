@@ -367,7 +367,10 @@ class Run:
             return
         version = None
         if self.trainers is not None:
-            version = self.trainers.restore_engines(push_to or urls)
+            targets = push_to or urls
+            version = self._on_trainers(
+                "restore_engines", lambda group: group.restore_engines(targets)
+            )
             self.weight_version = version
         self._from_manager(
             self.rollout_manager.admit_engines.remote(urls, version), "admit_engines",
@@ -410,8 +413,8 @@ class Run:
         failed = False
         while True:
             try:
-                if failed:
-                    self._restart_trainers(pushing=what == "update_weights")
+                if failed:  # a push that failed midway may have reached some engines in part
+                    self._restart_trainers(pushing=what in ("update_weights", "restore_engines"))
                 assert self.trainers is not None
                 return call(self.trainers)
             except TrainRankError as err:
@@ -718,7 +721,10 @@ class Run:
             if lost:
                 self._restore_engines(lost, push_to=list(self.engine_urls))
             else:
-                self.weight_version = self.trainers.restore_engines(list(self.engine_urls))
+                urls = list(self.engine_urls)
+                self.weight_version = self._on_trainers(
+                    "restore_engines", lambda group: group.restore_engines(urls)
+                )
         return {"time/update_weights_s": time.perf_counter() - start}
 
     def _push_weights(self) -> int:

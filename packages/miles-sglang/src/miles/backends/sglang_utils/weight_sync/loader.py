@@ -89,7 +89,7 @@ def _copy_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
     with torch.no_grad():
         if threads < 2 or nbytes < _PARALLEL_COPY_BYTES or len(pairs) < 2:
             for target, source in pairs:
-                target.copy_(source)
+                _copy(target, source)
             return
         # Largest first: the threads finish together.
         pairs = sorted(pairs, key=lambda pair: -pair[1].numel())
@@ -100,7 +100,17 @@ def _copy_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
 
 def _copy_without_grad(pair: tuple[Tensor, Tensor]) -> None:
     with torch.no_grad():  # grad mode is per thread: a pool thread starts with it on
-        pair[0].copy_(pair[1])
+        _copy(*pair)
+
+
+def _copy(target: Tensor, source: Tensor) -> None:
+    """`target.copy_(source)`; into a column-major matrix (a weight the engine keeps
+    transposed) as the copy of the transposes, which torch runs blockwise, twice as fast as its
+    element-wise strided copy (measured on the 89.9M model of `bench/weight_sync.py`)."""
+    if target.dim() == 2 and target.stride() == (1, target.shape[0]) and target.shape[0] > 1:
+        target.t().copy_(source.t())
+    else:
+        target.copy_(source)
 
 
 def _known(name: str, targets: dict[str, Tensor], rename: Callable[[str], str]) -> str:
