@@ -80,7 +80,10 @@ def decide_cpu_threads(
         if phases_overlap:
             return [max(1, round(plan.bundles[b].get("CPU", 1.0))) for b in bundles]
         sharing = Counter(bundle_nodes[b] for b in bundles)
-        return [max(1, node_cores[bundle_nodes[b]] // sharing[bundle_nodes[b]]) for b in bundles]
+        # A node missing from `node_cores` (gone since the placement) counts as one core.
+        return [
+            max(1, node_cores.get(bundle_nodes[b], 1) // sharing[bundle_nodes[b]]) for b in bundles
+        ]
 
     train, engines = threads(train_bundles), threads(engine_bundles)
     num_actor, num_engines = plan.num_actor_ranks, plan.num_engines
