@@ -20,10 +20,14 @@ Checked with trl 1.16.0 on the locked transformers 5.24 (`--with trl` resolves i
 
 What differs between the two, by design of each framework (not of this script):
 - miles runs generation and training in separate processes (engine + train actor) that take turns,
-  each with one torch thread (Ray sets OMP_NUM_THREADS=1 for a 1-CPU actor, and the engine inherits
-  it); TRL runs both in this process. By default TRL gets one thread too (`--trl-threads 1`), so
-  both compare at the same compute; `--trl-threads 0` gives TRL torch's default (all cores), which
-  on a busy machine mostly measures oversubscription (we saw 3-14 s per step on a loaded 2-core box).
+  and the one whose phase runs takes every core (`miles.ray.cpu_threads`: here the train rank and
+  the engine each get all of the machine's cores, since the sync loop alternates; an exported
+  OMP_NUM_THREADS overrides it); TRL runs both in this process. By default TRL gets one thread
+  (`--trl-threads 1`); `--trl-threads 0` gives TRL torch's default (all cores), the same compute as
+  miles, which on a busy machine mostly measures oversubscription (we saw 3-14 s per step on a
+  loaded 2-core box). Runs before 2026-12-07 held miles to one thread per process too (Ray's
+  OMP_NUM_THREADS=1 for a 1-CPU actor, inherited by the engine); export OMP_NUM_THREADS=1 to
+  compare with them.
 - With one optimizer step per rollout neither runs a separate old-policy forward: miles takes the
   old log-probs from the step's own forward (detached), TRL skips them when num_iterations == 1.
 - miles trains on packed micro-batches of up to --max-tokens-per-gpu tokens (default here 4096: the

@@ -1,8 +1,10 @@
 """Every rollout engine registered under `miles.rollout_engines` implements the engine-launcher
-contract (`engine_launcher.EngineLauncher`) over one `EngineLaunchSpec`, and both built-in engines
-start with the spec's LoRA flags."""
+contract (`engine_launcher.EngineLauncher`) over one `EngineLaunchSpec`, both built-in engines
+start with the spec's LoRA flags, and the reference engine's server with its CPU threads."""
 
+import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from miles.backends.sglang_utils.engine_launchers import (
 )
 from miles.backends.sglang_utils.reference_engine.cli import build_parser, engine_options
 from miles.backends.sglang_utils.reference_engine.config import ReferenceEngineConfig
+from miles.backends.sglang_utils.server_process import ServerProcess
 from miles.backends.sglang_utils.sglang_engine import build_launch_command
 
 REGISTERED = sorted(entry_points(group="miles.rollout_engines"), key=lambda ep: ep.name)
@@ -65,3 +68,26 @@ def test_a_lora_spec_is_checked_where_it_is_built(fields, message):
     with pytest.raises(ValueError) as refusal:
         EngineLaunchSpec(model_path="/ckpt", **fields)
     assert message in str(refusal.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc/<pid>/environ")
+def test_a_reference_engine_with_cpu_threads_runs_its_server_with_that_many(monkeypatch):
+    # A stand-in server (a sleeping Python) started the launcher's way: a real engine would only
+    # add its model's load to what this checks, the environment the launcher gives the process.
+    monkeypatch.setattr(ServerProcess, "wait_until_ready", lambda *args, **kwargs: None)
+    launcher = ReferenceEngineLauncher(EngineLaunchSpec(model_path="/ckpt", cpu_threads=2))
+    monkeypatch.setattr(
+        launcher, "command", lambda: [sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    launcher.start()
+    try:
+        environ = Path(f"/proc/{launcher.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        launcher.shutdown()
+    assert b"OMP_NUM_THREADS=2" in environ and b"MKL_NUM_THREADS=2" in environ
+
+
+def test_cpu_threads_below_one_are_refused_where_the_spec_is_built():
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1 \\(None: inherit\\), got 0"):
+        EngineLaunchSpec(model_path="/ckpt", cpu_threads=0)
+    assert EngineLaunchSpec(model_path="/ckpt").thread_env() == {}

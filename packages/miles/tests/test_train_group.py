@@ -1,6 +1,7 @@
 """RayTrainGroup on a real local Ray: every rank trains on its data-parallel replica's shard, so
-ranks that split one model replica see the same samples; a failing or dead rank is named with
-its process, and the failure report unwraps Ray's errors."""
+ranks that split one model replica see the same samples; each rank runs the torch threads it is
+given; a failing or dead rank is named with its process, and the failure report unwraps Ray's
+errors."""
 
 from __future__ import annotations
 
@@ -38,9 +39,14 @@ class _PairedReplicaActor(TrainRayActor):
     def logprob_gap(self, data_ref):
         return float(data_ref == "shard-0")
 
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
 
 @contextlib.contextmanager
-def train_group_of(world_size: int):
+def train_group_of(world_size: int, cpu_threads: list[int] | None = None):
     """A RayTrainGroup of `_FailingActor` ranks in a real placement group, on a local Ray."""
     started = not ray.is_initialized()
     init_ray(num_cpus=4, log_to_driver=False)
@@ -51,7 +57,7 @@ def train_group_of(world_size: int):
     placement = create_placement(plan, timeout_s=60)
     train_group = RayTrainGroup(
         _FailingActor, placement, world_size=world_size, colocate=False, has_gpus=False,
-        cpus_per_bundle=0.5,
+        cpus_per_bundle=0.5, cpu_threads=cpu_threads,
     )  # fmt: skip
     try:
         assert train_group.init(None, None, None) == 0
@@ -110,6 +116,13 @@ def test_a_failing_rank_is_named_with_its_process_and_its_own_error(group):
     )
     assert "Traceback" not in message
     assert describe(caught.value).splitlines()[0] == f"TrainRankError: {message.splitlines()[0]}"
+
+
+def test_each_rank_runs_the_torch_threads_it_was_given(group):
+    # Ray alone gives a rank of half a CPU one thread (OMP_NUM_THREADS=1).
+    with train_group_of(2, cpu_threads=[3, 2]) as train_group:
+        threads = ray.get([a.call.remote("torch_threads") for a in train_group.actors])
+    assert threads == [3, 2]
 
 
 def test_a_rank_whose_process_dies_is_named_as_dead(tmp_path):

@@ -27,6 +27,7 @@ from miles.config.lora_args import ALL_LINEAR, LORA_ADAPTER_NAME
 from miles.config.miles_config import MilesConfig
 from miles.config.placement_plan import COLOCATED_ENGINE_SHARE
 from miles.config.trainer_args import TrainerArgs
+from miles.ray.cpu_threads import CpuThreads
 from miles.ray.engine_actor import RolloutEngineActor
 from miles.ray.external_engines import check_external_engines
 from miles.ray.placement import Placement
@@ -135,10 +136,13 @@ class EngineFleet:
         placement: Placement | None,
         *,
         external_admin_key: str | None = None,
+        cpu_threads: CpuThreads | None = None,
     ) -> None:
-        """`external_admin_key`: the admin key of external engines (None: they take none)."""
+        """`external_admin_key`: the admin key of external engines (None: they take none);
+        `cpu_threads`: the torch threads of each engine and teacher (None: inherited)."""
         self.config = config
         self.placement = placement
+        self.cpu_threads = cpu_threads
         self.engine_actors: list[Any] = []
         self.engine_urls: list[str] = []
         self.router: RouterProcess | None = None
@@ -173,6 +177,7 @@ class EngineFleet:
             devices = self.placement.engine_devices(i) if self.placement else None
             spec = engine_launch_spec(config, engine, i, log_dir, visible_devices=devices)
             spec["admin_api_key"] = self._admin_key
+            spec["cpu_threads"] = self.cpu_threads.engines[i] if self.cpu_threads else None
             if self.placement is not None and self.placement.bind_host is not None:
                 spec["host"] = self.placement.bind_host  # else the actor's node address
             self.engine_actors.append(actor)
@@ -215,7 +220,10 @@ class EngineFleet:
             return []
         assert self._admin_key is not None, "--use-opd is refused with external engines"
         self.teachers = TeacherEngines(self.config, self.placement, admin_key=self._admin_key)
-        return await self.teachers.start(engine, self._engine_specs[0], has_gpus=has_gpus)
+        threads = self.cpu_threads.teachers if self.cpu_threads else None
+        return await self.teachers.start(
+            engine, self._engine_specs[0], has_gpus=has_gpus, cpu_threads=threads
+        )
 
     @property
     def fault_tolerant(self) -> bool:

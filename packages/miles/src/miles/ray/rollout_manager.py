@@ -29,6 +29,7 @@ import ray
 from miles.backends.sglang_utils.client import EngineError
 from miles.config.eval_config import EvalDatasetConfig
 from miles.config.miles_config import MilesConfig
+from miles.ray.cpu_threads import CpuThreads
 from miles.ray.engine_fleet import EngineFleet
 from miles.ray.kept_train_data import KeptTrainData
 from miles.ray.placement import Placement
@@ -91,8 +92,10 @@ class RolloutManager:
         *,
         dp_size: int,
         external_admin_key: str | None = None,
+        cpu_threads: CpuThreads | None = None,
     ):
-        """`external_admin_key`: the admin key of --rollout-external-engine-addrs' engines."""
+        """`external_admin_key`: the admin key of --rollout-external-engine-addrs' engines;
+        `cpu_threads`: the engines' torch threads (None: they inherit this process's)."""
         self.config = config
         self.dp_size = dp_size
         self.reward_hub = RewardHub(config.reward)
@@ -103,7 +106,9 @@ class RolloutManager:
         }
         # The built-in rollout is this flag's default: it is loaded and called like a custom one.
         self.rollout = load_rollout(config.rollout, run_config=config)
-        self.engines = EngineFleet(config, placement, external_admin_key=external_admin_key)
+        self.engines = EngineFleet(
+            config, placement, external_admin_key=external_admin_key, cpu_threads=cpu_threads
+        )
         self._data: _Prompts | None = None
         self.startup_seconds: dict[str, float] = {}
         self._reset_reward_tallies()

@@ -22,6 +22,7 @@ from miles.backends.sglang_utils.server_process import ADMIN_KEY_ENV
 from miles.backends.training_utils.algorithms.registry import loss_spec
 from miles.config.miles_config import MilesConfig
 from miles.ray.cluster import bind_host, init_ray
+from miles.ray.cpu_threads import CpuThreads, cpu_threads_for_run
 from miles.ray.critic_ranks import train_policy_and_critic
 from miles.ray.placement import Placement, create_placement, plan_for_config, remove_placement
 from miles.ray.rollout_manager import RolloutManager
@@ -75,6 +76,7 @@ class Run:
         self._spec: TrainRunSpec | None = None  # what the train ranks were built with
         self._restarts: TrainRestarts | None = None  # --max-train-restarts, where it applies
         self.placement: Placement | None = None
+        self._cpu_threads: CpuThreads | None = None  # torch threads per process, CPU-only runs
         self.rollout_manager: Any = None
         self.rollouts: RolloutSource | None = None
         self._startup_clock: StartupClock | None = None
@@ -161,6 +163,10 @@ class Run:
                 plan_for_config(config, use_gpus=self._has_gpus),
                 bind_host=bind_host(config.cluster.external_engine_urls),
             )
+        self._cpu_threads = cpu_threads_for_run(
+            self.placement.plan, self.placement.bundle_nodes, has_gpus=self._has_gpus,
+            phases_overlap=training.async_train or training.fully_async,
+        )  # fmt: skip
         dp_size = config.data_parallel_size  # the config checked it divides the ranks
         manager_class = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=16)
         # External engines' admin key comes from the driver's environment, as a reference
@@ -168,6 +174,7 @@ class Run:
         manager = manager_class.remote(
             config, self.placement, dp_size=dp_size,
             external_admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
+            cpu_threads=self._cpu_threads,
         )  # fmt: skip
         self.rollout_manager = manager
         self._manager_place = manager.where.remote()  # read only to name a hung manager
@@ -262,7 +269,7 @@ class Run:
 
     def _train_group(self, *, critic: bool = False) -> RayTrainGroup:
         """The policy's train ranks (or a critic's on ranks of its own), starting now."""
-        cluster, placement = self.config.cluster, self.placement
+        cluster, placement, threads = self.config.cluster, self.placement, self._cpu_threads
         assert placement is not None
         return RayTrainGroup(
             plugin_path(TRAIN_BACKENDS, cluster.train_backend),
@@ -275,6 +282,7 @@ class Run:
             cpus_per_bundle=cluster.cpus_per_bundle,
             call_timeout_s=self.config.training.train_call_timeout_s,
             critic=critic,
+            cpu_threads=None if threads is None else threads.critic if critic else threads.train,
         )
 
     def _init_critics(self, spec: TrainRunSpec) -> None:

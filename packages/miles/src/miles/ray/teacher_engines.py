@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,17 @@ class TeacherEngines:
         self.urls: list[str] = []
         self.pool: EnginePool | None = None
 
-    async def start(self, engine: str, spec: dict[str, Any], *, has_gpus: bool) -> list[str]:
+    async def start(
+        self,
+        engine: str,
+        spec: dict[str, Any],
+        *,
+        has_gpus: bool,
+        cpu_threads: Sequence[int] | None = None,
+    ) -> list[str]:
         """Launch every teacher (`engine` as the student's, `spec` the student's engine 0 launch
-        spec, adapted) and wait until all answer."""
+        spec, adapted) and wait until all answer; `cpu_threads`: each teacher's torch threads
+        (`CpuThreads.teachers`; None: inherited)."""
         distillation, backend = self.config.distillation, self.config.backend
         assert backend is not None, "the schema adds the chosen backend's group (--seed)"
         num = len(self.placement.plan.teacher_bundles) if self.placement else 1
@@ -52,6 +61,7 @@ class TeacherEngines:
                 "visible_devices": self.placement.teacher_devices(i) if self.placement else None,
                 "admin_api_key": self.admin_key,
                 "return_routed_experts": False,  # the teacher only scores; nothing replays it
+                "cpu_threads": None if cpu_threads is None else cpu_threads[i],
             }
             actor = self._actor(i, has_gpus)
             self.actors.append(actor)

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -57,8 +58,16 @@ class TrainRank:
     """One rank's Ray actor: it builds the backend's `TrainRayActor` in this process and runs the
     group's calls on it."""
 
-    def __init__(self, actor_class: type | str, *args: Any) -> None:
+    def __init__(
+        self, actor_class: type | str, *args: Any, torch_threads: int | None = None
+    ) -> None:
+        """`torch_threads`: this rank's torch threads on a CPU-only run (`miles.ray.cpu_threads`),
+        set before the backend builds anything; None: what Ray's OMP_NUM_THREADS gives."""
         start = time.perf_counter()
+        if torch_threads is not None:
+            import torch  # the backend imports it next anyway
+
+            torch.set_num_threads(torch_threads)
         if isinstance(actor_class, str):
             actor_class = load_object(actor_class, "--train-backend")
         self.actor = actor_class(*args)
@@ -98,10 +107,12 @@ class RayTrainGroup:
         cpus_per_bundle: float = 1.0,
         call_timeout_s: float = 3600.0,
         critic: bool = False,
+        cpu_threads: Sequence[int] | None = None,
     ):
         """`call_timeout_s` bounds the wait for every rank's answer to one call
         (--train-call-timeout-s). `critic`: the ranks of a critic of its own, on the
-        placement's critic bundles (init them with role "critic")."""
+        placement's critic bundles (init them with role "critic"). `cpu_threads`: torch
+        threads of each rank (`CpuThreads.train` or `.critic`); None: leave torch's default."""
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be positive, got {call_timeout_s}")
         self.call_timeout_s = call_timeout_s
@@ -114,12 +125,15 @@ class RayTrainGroup:
             timeout=call_timeout_s,
         )
         remote_class = ray.remote(TrainRank)
+        threads = [None] * world_size if cpu_threads is None else list(cpu_threads)
         self.actors = [
             remote_class.options(
                 num_cpus=share * cpus_per_bundle,
                 num_gpus=share if has_gpus else 0,
                 scheduling_strategy=schedule(rank),
-            ).remote(actor_class, rank, world_size, master_addr, master_port)
+            ).remote(
+                actor_class, rank, world_size, master_addr, master_port, torch_threads=threads[rank]
+            )
             for rank in range(world_size)
         ]
         self.world_size = world_size

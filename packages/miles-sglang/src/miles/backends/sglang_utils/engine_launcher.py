@@ -81,6 +81,10 @@ class EngineLaunchSpec:
     lora_target_modules: list[str] | None = None
     """With `enable_lora`: the projections adapters may adapt (--lora-target-modules, e.g.
     ["q_proj", "v_proj"] or ["all"])."""
+    cpu_threads: int | None = None
+    """Torch threads of a CPU engine, given to its server as OMP_NUM_THREADS and
+    MKL_NUM_THREADS; None: inherit the launching process's (Ray's OMP_NUM_THREADS). Runs on GPUs
+    leave it None, and the SGLang launcher ignores it."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -92,7 +96,16 @@ class EngineLaunchSpec:
                 f"visible_devices {self.visible_devices} names {len(self.visible_devices)} "
                 f"device(s) for an engine of {self.num_devices}"
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 (None: inherit), got {self.cpu_threads}")
         self._check_lora()
+
+    def thread_env(self) -> dict[str, str]:
+        """The server's environment for `cpu_threads` ({} when None): torch sizes its thread
+        pool from these when it loads."""
+        if self.cpu_threads is None:
+            return {}
+        return {name: str(self.cpu_threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
     def _check_lora(self) -> None:
         lora = {

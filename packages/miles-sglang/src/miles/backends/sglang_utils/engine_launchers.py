@@ -67,7 +67,7 @@ class ReferenceEngineLauncher:
     def start(self) -> str:
         if self._process is not None:
             raise RuntimeError(f"reference engine {self.url} is already started")
-        env = visible_devices_env(self.spec.visible_devices) or {}
+        env = {**(visible_devices_env(self.spec.visible_devices) or {}), **self.spec.thread_env()}
         if self.spec.admin_api_key:
             # In the environment, not on the command line that every local user can read.
             env[ADMIN_KEY_ENV] = self.spec.admin_api_key
@@ -99,7 +99,8 @@ def _values(value: str | list[str]) -> list[str]:
 
 
 class SGLangEngineLauncher:
-    """A real SGLang server (GPUs; `start` says how to install SGLang when it is missing)."""
+    """A real SGLang server (GPUs; `start` says how to install SGLang when it is missing).
+    The spec's `cpu_threads` is not passed on: SGLang runs on GPUs, where runs leave it None."""
 
     def __init__(self, spec: EngineLaunchSpec):
         self.spec = spec
