@@ -274,9 +274,11 @@ class Run:
         return RayTrainGroup(
             plugin_path(TRAIN_BACKENDS, cluster.train_backend),
             placement,
+            # Every rank of the plan: tensor/pipeline-parallel peers are ranks too (the
+            # backend forms data_parallel_size replicas of them, checked after init).
             world_size=placement.plan.num_critic_ranks
             if critic
-            else self.config.data_parallel_size,
+            else placement.plan.num_actor_ranks,
             colocate=cluster.colocate and not critic,
             has_gpus=self._has_gpus,
             cpus_per_bundle=cluster.cpus_per_bundle,
