@@ -45,9 +45,10 @@ from tools.compare_runs import compare_records  # noqa: E402 (after the path abo
 
 MILES = str(Path(sys.executable).parent / "miles")
 # What differs between a faulted and an unfaulted run by design: timings, the restart counts, the
-# engines' health, start-up.
+# engines' health, the groups sent again after their engine died, start-up.
 IGNORED = [r"^time/", r"/seconds", r"_s$", r"^startup/", r"^check/", r"restarts$",
-           r"^train/replayed_rollouts$", r"^engine/", r"per_s$", r"^perf/", r"^memory/"]  # fmt: skip
+           r"^train/replayed_rollouts$", r"^engine/", r"^rollout/reissued_groups$", r"per_s$",
+           r"^perf/", r"^memory/"]  # fmt: skip
 
 
 def flags(checkpoint: Path, out: Path, rollouts: int, save_interval: int) -> list[str]:
