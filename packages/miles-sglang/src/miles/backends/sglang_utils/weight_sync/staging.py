@@ -73,6 +73,21 @@ class StagingBuffers:
         """Free both buffers (a shared segment goes once every engine has dropped it too)."""
         self._buffers = [None, None]
 
+    def trim(self) -> None:
+        """After a sync: free what should not be held until the next one. Accelerator memory
+        goes (colocated engines generate in it meanwhile, and the caching allocator gives it
+        back cheaply); so does a buffer grown past the bucket size for one large tensor, so that
+        between syncs the buffers hold at most the bound. What stays: CPU buffers within it,
+        whose reuse saves faulting in fresh pages."""
+        self._buffers = [
+            buffer
+            if buffer is not None
+            and buffer.device.type == "cpu"
+            and buffer.numel() <= self.bucket_bytes
+            else None
+            for buffer in self._buffers
+        ]
+
     @property
     def allocated_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers if b is not None)
