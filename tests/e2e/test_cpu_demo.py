@@ -107,11 +107,7 @@ def test_the_demos_rl_stage_with_ppo_and_a_critic_learns(demo, tmp_path):
     miles(
         "train", "--config", DEMO / "grpo.yaml", "--console", "plain",
         "--hf-checkpoint", out / "sft_hf", "--save", run / "checkpoints", "--output-dir", run,
-        # One torch thread per process: the thresholds below were set on that run's path. With
-        # a phase on both cores (the default since) it takes another: held-out 0.25 -> 0.81,
-        # and the critic's explained variance ends at -0.09, the returns of a policy that
-        # solves more varying less (architecture.md: "Threads per process").
-        *PPO_FLAGS, env={**demo_env(out), "OMP_NUM_THREADS": "1"},
+        *PPO_FLAGS, env=demo_env(out),
     )  # fmt: skip
     heldout = eval_rewards(run)
     records = read_metrics(run / "metrics.jsonl")
