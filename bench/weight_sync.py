@@ -14,7 +14,6 @@ resident memory during the syncs above what it held before them (its VmHWM, rese
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import tempfile
 import time
@@ -24,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.backends.sglang_utils.client import SyncEngineClient
-from miles.backends.sglang_utils.reference_engine.launcher import launch_reference_engine
+from miles.backends.sglang_utils.reference_engine.launcher import reference_engine_process
 from miles.backends.sglang_utils.tiny_checkpoint import build_tiny_checkpoint
 from miles.backends.sglang_utils.weight_sync import DistributedWeightSender, TensorWeightSender
 
@@ -42,20 +41,6 @@ def _best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _engine_pid(port: int) -> int:
-    """The reference engine process serving on `port` (this bench started it)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if "miles.backends.sglang_utils.reference_engine.cli" in args and str(port) in args:
-            return int(entry)
-    raise RuntimeError(f"no reference engine process on port {port}")
 
 
 def _rss_mb(pid: int, field: str) -> float:
@@ -104,8 +89,8 @@ def main() -> None:
                 buffer[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
 
-        with launch_reference_engine(path) as url, SyncEngineClient(url) as client:
-            engine = _engine_pid(int(url.rsplit(":", 1)[1]))
+        with reference_engine_process(path) as (url, process), SyncEngineClient(url) as client:
+            engine = process.pid
             results = {"memory copy (floor)": _best(copy, args.repeats)}
             staging, engine_peak = {}, {}
             tensor_sender = TensorWeightSender([client], max_bytes=max_bytes, dtype=torch.float32)
