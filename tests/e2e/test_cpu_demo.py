@@ -110,18 +110,26 @@ def test_the_demos_rl_stage_with_ppo_and_a_critic_learns(demo, tmp_path):
         *PPO_FLAGS, env=demo_env(out),
     )  # fmt: skip
     heldout = eval_rewards(run)
-    records = read_metrics(run / "metrics.jsonl")
     # A rollout whose returns do not vary has no explained variance (NaN, logged as null).
-    explained = [r["critic/explained_variance"] for r in records
-                 if isinstance(r.get("critic/explained_variance"), float)
-                 and math.isfinite(r["critic/explained_variance"])]  # fmt: skip
-    late = statistics.median(explained[-10:])
-    print(f"PPO: held-out reward {heldout[0]:.3f} (after SFT) -> {heldout[-1]:.3f}; explained "
-          f"variance, median of the last 10 rollouts: {late:.3f}")  # fmt: skip
-    assert heldout[-1] - heldout[0] >= 0.3, f"PPO moved the held-out reward {heldout}"
+    rollouts = [(r["critic/explained_variance"], r["critic/returns_variance"])
+                for r in read_metrics(run / "metrics.jsonl")
+                if isinstance(r.get("critic/explained_variance"), float)
+                and math.isfinite(r["critic/explained_variance"])]  # fmt: skip
     # A rollout the policy nearly solves has returns of almost no variance, and its explained
-    # variance swings far below 0 (-0.4 here); the median of the last ten ends above 0.
-    assert late > 0, f"the critic explains none of the returns' variance: {explained}"
+    # variance swings far either way (-0.9 to 0.35 late in the run): pooled over the last ten
+    # rollouts, each weighs as much as its returns vary (1 - the residual variance summed over
+    # the summed returns' variance), so the nearly solved ones count little.
+    early, late = pooled_explained_variance(rollouts[:3]), pooled_explained_variance(rollouts[-10:])
+    print(f"PPO: held-out reward {heldout[0]:.3f} (after SFT) -> {heldout[-1]:.3f}; explained "
+          f"variance pooled over the first 3 rollouts {early:.3f}, the last 10 {late:.3f}")  # fmt: skip
+    assert heldout[-1] - heldout[0] >= 0.3, f"PPO moved the held-out reward {heldout}"
+    assert late > 0 and late > early, f"the critic did not learn to explain the returns: {rollouts}"
+
+
+def pooled_explained_variance(rollouts: list[tuple[float, float]]) -> float:
+    """1 - sum Var(returns - values) / sum Var(returns) over (explained variance, returns'
+    variance) pairs, one per rollout."""
+    return sum(ev * var for ev, var in rollouts) / sum(var for _, var in rollouts)
 
 
 def miles(*args: str | Path, env: dict[str, str]) -> None:

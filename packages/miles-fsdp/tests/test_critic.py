@@ -83,8 +83,8 @@ def test_critic_only_rollouts_leave_the_policy_bit_identical(critic_run):
             assert "train/loss" not in step and "critic/value_loss" in step
         for step in result["both"]:
             assert {"train/loss", "critic/value_loss", "critic/explained_variance",
-                    "critic/values_mean", "critic/returns_mean", "critic/grad_norm",
-                    "critic/lr", "critic/value_clipfrac"} <= step.keys()  # fmt: skip
+                    "critic/values_mean", "critic/returns_mean", "critic/returns_variance",
+                    "critic/grad_norm", "critic/lr", "critic/value_clipfrac"} <= step.keys()  # fmt: skip
         assert result["both"][0]["critic/lr"] == pytest.approx(5e-3)
 
 

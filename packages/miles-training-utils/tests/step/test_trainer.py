@@ -298,6 +298,8 @@ def test_ppo_values_advantages_and_the_critics_clipped_loss_match_a_float64_refe
     flat_v = torch.cat([v.double()[m.bool()] for v, m in zip(data["values"], masks, strict=True)])
     want = 1 - float((flat_r - flat_v).var(unbiased=False) / flat_r.var(unbiased=False))
     assert explained == pytest.approx(want, rel=1e-6)
+    want_variance = float(flat_r.var(unbiased=False))
+    assert metrics[0]["critic/returns_variance"] == pytest.approx(want_variance, rel=1e-6)
 
 
 def test_a_critic_on_ranks_of_its_own_takes_the_same_steps_as_one_on_the_policys():

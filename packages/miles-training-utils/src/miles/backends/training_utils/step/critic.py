@@ -115,8 +115,11 @@ class CriticTrainer:
         }
 
     def _rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        """Over every rank's trainable tokens: the mean value and return, and the explained
-        variance 1 - Var(returns - values) / Var(returns) of the values the critic gave."""
+        """Over every rank's trainable tokens: the mean value and return, the returns' variance,
+        and the explained variance 1 - Var(returns - values) / Var(returns) of the values the
+        critic gave (NaN when the returns do not vary). The returns' variance weighs a rollout's
+        explained variance when several are pooled: one whose returns hardly vary has an
+        explained variance that swings far either way and means little."""
         sums = torch.zeros(6, dtype=torch.float64)  # n, sum v, sum r, sum r^2, sum d, sum d^2
         for values, returns, mask in zip(
             batch["values"], batch["returns"], batch["loss_mask"], strict=True
@@ -134,5 +137,6 @@ class CriticTrainer:
         return {
             "critic/values_mean": v_sum / n,
             "critic/returns_mean": r_sum / n,
+            "critic/returns_variance": var_returns,
             "critic/explained_variance": explained,
         }
