@@ -160,5 +160,7 @@ def test_a_run_on_one_node_binds_loopback_unless_an_engine_elsewhere_must_reach_
     # One node: the engines and train ranks listen on loopback, not the machine's address.
     assert bind_host() == "127.0.0.1"
     assert bind_host(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+    # All of 127.0.0.0/8 is this machine, as a train rank's rendezvous also takes it.
+    assert bind_host(["http://127.0.0.2:30000", "http://[::1]:30001"]) == "127.0.0.1"
     # An external engine on another host joins trainer rank 0's weight-update group.
     assert bind_host(["http://127.0.0.1:30000", "http://10.0.0.7:30000"]) is None

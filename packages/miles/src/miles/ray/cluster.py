@@ -16,11 +16,11 @@ from urllib.parse import urlsplit
 
 import ray
 from miles.ray.local_ray import start_local_ray
+from miles.utils.loopback import is_loopback
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _keep_workers_in_this_environment() -> None:
@@ -77,6 +77,6 @@ def bind_host(external_engine_urls: Iterable[str] = ()) -> str | None:
     alive = [node for node in ray.nodes() if node.get("Alive")]
     if len(alive) != 1:
         return None
-    if any(urlsplit(url).hostname not in _LOOPBACK_NAMES for url in external_engine_urls):
+    if not all(is_loopback(urlsplit(url).hostname or "") for url in external_engine_urls):
         return None
     return LOOPBACK

@@ -12,7 +12,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
-import ipaddress
 import logging
 import os
 import socket
@@ -42,6 +41,7 @@ from miles.config.lora_args import LORA_ADAPTER_NAME, LoraArgs
 from miles.config.trainer_args import TrainerArgs
 from miles.train_backend.run_spec import TrainRunSpec
 from miles.utils.checkpoint_layout import commit_checkpoint
+from miles.utils.loopback import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class TrainRayActor(abc.ABC):
             self.rank, self.world_size, backend, self.master_addr, self.master_port,
         )  # fmt: skip
         timeout = datetime.timedelta(seconds=timeout_s)
-        if not _is_loopback(self.master_addr):
+        if not is_loopback(self.master_addr):
             dist.init_process_group(
                 backend=backend,
                 init_method=f"tcp://{_host_for_url(self.master_addr)}:{self.master_port}",
@@ -580,15 +580,6 @@ def _resolve(data_ref: Any) -> RolloutBatch:
         f"train() got data of type {type(data_ref).__name__}; pass this rank's RolloutBatch "
         "(a dict of per-sample lists), or its ray.ObjectRef as a top-level argument"
     )
-
-
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:  # a host name
-        return False
 
 
 def _host_for_url(address: str) -> str:
