@@ -9,10 +9,11 @@ of the step's time, not a prediction: no real kernel runs every matmul at sgemm'
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from miles.utils.cpu_cores import usable_cores
 
 # -- FLOPs of a forward, from the model config ---------------------------------------------------
 
@@ -149,8 +150,7 @@ def sgemm_gflops(threads: int, *, size: int = 2048, repeats: int = 5) -> float:
 
 def measure_machine() -> MachineRate:
     """sgemm's rate on one thread and on every core this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = usable_cores()
     return MachineRate(cores=cores, one_thread=sgemm_gflops(1), all_cores=sgemm_gflops(cores))
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from miles.utils.cpu_cores import usable_cores
 
 E2E = Path(__file__).resolve().parent / "e2e_vs_trl.py"
 
@@ -38,7 +39,7 @@ def runners(skip_trl: bool) -> dict[str, list[str]]:
     """{runner label: its e2e_vs_trl.py flags}: miles, then TRL on 1 thread and on every core."""
     found = {"miles": ["--skip-trl"]}
     if not skip_trl:
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         found["TRL 1 thread"] = ["--skip-miles", "--trl-threads", "1"]
         found[f"TRL {cores} threads"] = ["--skip-miles", "--trl-threads", str(cores)]
     return found
