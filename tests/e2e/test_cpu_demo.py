@@ -95,8 +95,10 @@ def test_the_demos_grpo_stage_with_lora_learns_and_exports_a_peft_adapter(demo, 
 # The demo's RL stage with PPO and a critic (the SFT model under a new value head, on the
 # policy's ranks): lr 0.004, critic lr 0.001, three critic-only rollouts, GAE with gamma =
 # lambda = 1. Numbers for three seeds are in docs/guides/ppo.md.
+CRITIC_ONLY_ROLLOUTS = 3
 PPO_FLAGS = ["--advantage-estimator", "ppo", "--lr", "0.004", "--critic-lr", "0.001",
-             "--num-critic-only-steps", "3", "--seed", "1", "--rollout-seed", "1"]  # fmt: skip
+             "--num-critic-only-steps", str(CRITIC_ONLY_ROLLOUTS), "--seed", "1",
+             "--rollout-seed", "1"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -119,7 +121,8 @@ def test_the_demos_rl_stage_with_ppo_and_a_critic_learns(demo, tmp_path):
     # variance swings far either way (-0.9 to 0.35 late in the run): pooled over the last ten
     # rollouts, each weighs as much as its returns vary (1 - the residual variance summed over
     # the summed returns' variance), so the nearly solved ones count little.
-    early, late = pooled_explained_variance(rollouts[:3]), pooled_explained_variance(rollouts[-10:])
+    early = pooled_explained_variance(rollouts[:CRITIC_ONLY_ROLLOUTS])
+    late = pooled_explained_variance(rollouts[-10:])
     print(f"PPO: held-out reward {heldout[0]:.3f} (after SFT) -> {heldout[-1]:.3f}; explained "
           f"variance pooled over the first 3 rollouts {early:.3f}, the last 10 {late:.3f}")  # fmt: skip
     assert heldout[-1] - heldout[0] >= 0.3, f"PPO moved the held-out reward {heldout}"
